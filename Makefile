@@ -1,0 +1,39 @@
+# The two commands of the README:
+#   make train   the main job: prepare the default corpus, train the tiny model on 2 CPU processes
+#                with ZeRO-2, export it and print a generated sample
+#   make test    the test suite (what CI runs)
+# Each target sets itself up from nothing: a virtual environment in .venv, torch first (so the
+# local CPU wheel, or the cluster's CUDA build, is used instead of pip choosing one), then lmsys.
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+NPROC ?= 2
+PIP := $(PY) -m pip --disable-pip-version-check -q
+
+.PHONY: train test setup lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH)"
+	$(PIP) install -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+train: $(VENV)/.installed
+	$(PY) -m lmsys.prepare
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m lmsys.train model=tiny deepspeed=zero2 $(ARGS)
+
+test: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+bench: $(VENV)/.installed
+	$(PY) -m kernels.bench
+	$(PY) -m lmsys.bench train
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
