@@ -1,0 +1,807 @@
+"""Row-wise layer normalisation (SPEC section 5) as Triton kernels, plus a fused residual add.
+
+Every row of the last dimension (width N) is normalised with population statistics
+
+    mu = mean(x),  var = mean((x - mu)^2),  sigma = sqrt(var),  xhat = (x - mu) / r
+
+where the denominator r depends on the formula:
+
+    "sqrt_var_eps"  r = sqrt(var + eps)     GPT-2 and most code (torch.nn.LayerNorm)
+    "std_plus_eps"  r = sigma + eps
+    "exact"         r = sigma               no eps at all: eps is ignored
+
+then optionally y = gamma * xhat + beta (weight and bias are each optional).
+
+What lmsys does with a constant row under "exact": var = 0, so xhat = 0 / 0. No eps is added
+behind the caller's back: the result is NaN whenever the row mean is computed exactly (N = 1,
+a row of zeros, most constant rows), and the gradients are NaN too. When rounding leaves the
+computed mean an ulp away from the constant, the row instead comes out as +-1 values. Either
+way the output is meaningless; use an eps formula when constant rows can occur.
+
+Files follow the kernel pattern of DESIGN.md: `_layer_norm_fwd_kernel` / `_layer_norm_bwd_kernel`
+(private, @triton.jit) -> host launchers `layer_norm_forward` / `layer_norm_backward` ->
+`LayerNormFunction` / `AddLayerNormFunction` -> `layer_norm` / `add_layer_norm`. The plain torch
+references `layer_norm_reference` / `add_layer_norm_reference` sit beside them.
+
+Statistics are always fp32; inputs may be fp32, fp16 or bf16 and outputs come back in the
+input dtype. Weight-gradient reductions are deterministic: fp32 partial sums per program into
+a (P, N) buffer, then a torch `.sum(0)`; no atomics, no locks.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "FORMULAS",
+    "MAX_N",
+    "layer_norm",
+    "add_layer_norm",
+    "LayerNormFunction",
+    "AddLayerNormFunction",
+    "layer_norm_forward",
+    "layer_norm_backward",
+    "layer_norm_reference",
+    "add_layer_norm_reference",
+]
+
+# Formula name -> the constexpr int the kernels branch on.
+FORMULAS: dict[str, int] = {"sqrt_var_eps": 0, "std_plus_eps": 1, "exact": 2}
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+MAX_N = 65536  # widest row accepted (the issue's limit; wide rows loop over column chunks)
+# Widest row one program keeps in registers. The backward holds more live fp32 tiles (x, dy,
+# xhat, g and the dgamma/dbeta accumulators), so it switches to chunks earlier: on sm_90 a single
+# 16384-wide backward tile spills even at 32 warps, 8192 does not (ptxas -v).
+_FWD_MAX_SINGLE_BLOCK = 16384
+_BWD_MAX_SINGLE_BLOCK = 8192
+# Tile elements per warp, i.e. 16 (forward) or 8 (backward) fp32 values per thread: about 55-80
+# registers per thread on sm_90 with no spills for every tile the launchers pick (ptxas -v).
+_FWD_ELEMS_PER_WARP = 512
+_BWD_ELEMS_PER_WARP = 256
+_CHUNK = 4096  # column chunk of the looped path for rows wider than the single-block limit
+_TILE = 4096  # narrow rows: one program normalises BLOCK_M = _TILE // BLOCK_N rows at once
+_MAX_TILE = 16384  # static bound on BLOCK_M * BLOCK_N checked inside the kernels
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rstd_from_var(var, eps, FORMULA: tl.constexpr):
+    """1 / r(var) per row, fp32. FORMULA: 0 sqrt_var_eps, 1 std_plus_eps, 2 exact."""
+    if FORMULA == 0:
+        rstd = 1.0 / tl.sqrt_rn(var + eps)
+    elif FORMULA == 1:
+        rstd = 1.0 / (tl.sqrt_rn(var) + eps)
+    else:
+        rstd = 1.0 / tl.sqrt_rn(var)  # inf for a constant row: by definition, see module doc
+    return rstd
+
+
+@triton.jit
+def _load_ln_input(
+    X,  # *T: (M, N) input rows
+    R,  # *T: (M, N) residual rows, read only if HAS_RESIDUAL
+    S,  # *T: (M, N) out: X + R, written only if HAS_RESIDUAL and STORE_SUM
+    offs_x,  # (BLOCK_M, BLOCK_N) int64 element offsets into X
+    offs_r,  # (BLOCK_M, BLOCK_N) int64 element offsets into R
+    offs_s,  # (BLOCK_M, BLOCK_N) int64 element offsets into S
+    mask,  # (BLOCK_M, BLOCK_N) bool: inside the (M, N) matrix
+    HAS_RESIDUAL: tl.constexpr,
+    STORE_SUM: tl.constexpr,
+):
+    """The tile the layer norm sees, in fp32: x, or x + residual rounded to T like torch's add."""
+    x = tl.load(X + offs_x, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(R + offs_r, mask=mask, other=0.0)
+        # fp32 add, rounded once to T: bitwise what `x + residual` gives in torch, so that the
+        # returned `summed` and the normalised values agree exactly.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(S.dtype.element_ty)
+        if STORE_SUM:
+            tl.store(S + offs_s, x, mask=mask)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    X,  # *T: (M, N) input rows, unit column stride
+    R,  # *T: (M, N) residual rows (read only if HAS_RESIDUAL; else any pointer)
+    S,  # *T: (M, N) out: X + R in T (written only if HAS_RESIDUAL)
+    Y,  # *T: (M, N) out: normalised (and affine) rows
+    W,  # *Tw: (N,) gamma (read only if HAS_WEIGHT)
+    B,  # *Tw: (N,) beta (read only if HAS_BIAS)
+    Mean,  # *fp32: (M,) out: row mean
+    Rstd,  # *fp32: (M,) out: row 1 / r(var), the statistic the backward needs
+    stride_x,  # int: row stride of X, in elements
+    stride_r,  # int: row stride of R
+    stride_s,  # int: row stride of S
+    stride_y,  # int: row stride of Y
+    M,  # int: number of rows
+    N,  # int: row width
+    eps,  # fp32: eps of the formula (ignored by "exact")
+    FORMULA: tl.constexpr,  # 0 sqrt_var_eps, 1 std_plus_eps, 2 exact
+    HAS_RESIDUAL: tl.constexpr,  # normalise X + R and store it to S
+    HAS_WEIGHT: tl.constexpr,  # multiply by gamma
+    HAS_BIAS: tl.constexpr,  # add beta
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_N: tl.constexpr,  # columns per tile: >= N when SINGLE_BLOCK, else the chunk width
+    SINGLE_BLOCK: tl.constexpr,  # the whole row fits one tile: read X once, keep it in registers
+):
+    """One program normalises BLOCK_M consecutive rows. Grid: (cdiv(M, BLOCK_M),)."""
+    tl.static_assert(BLOCK_M * BLOCK_N <= 16384)  # = _MAX_TILE: register budget per program
+    tl.static_assert((FORMULA >= 0) & (FORMULA <= 2))
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    row_mask = rows < M
+    rows64 = rows.to(tl.int64)[:, None]  # (BLOCK_M, 1): int64, M * N may pass 2^31
+    cols = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+
+    # Statistics, all fp32 accumulation.
+    if SINGLE_BLOCK:
+        mask = row_mask[:, None] & (cols[None, :] < N)  # (BLOCK_M, BLOCK_N)
+        x = _load_ln_input(
+            X,
+            R,
+            S,
+            rows64 * stride_x + cols[None, :],
+            rows64 * stride_r + cols[None, :],
+            rows64 * stride_s + cols[None, :],
+            mask,
+            HAS_RESIDUAL,
+            True,
+        )  # (BLOCK_M, BLOCK_N) fp32
+        mean = tl.sum(x, axis=1) / N  # (BLOCK_M,)
+        xc = tl.where(mask, x - mean[:, None], 0.0)  # two-pass variance, exact in registers
+        var = tl.sum(xc * xc, axis=1) / N  # (BLOCK_M,)
+    else:
+        # Wide rows: one sweep of Welford updates, each lane owning the columns lane, lane +
+        # BLOCK_N, ... ; the lanes are merged with Chan's formula. No E[x^2] - E[x]^2 cancellation.
+        cnt_l = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        mean_l = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        m2_l = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            c = start + cols
+            mask = row_mask[:, None] & (c[None, :] < N)
+            x = _load_ln_input(
+                X,
+                R,
+                S,
+                rows64 * stride_x + c[None, :],
+                rows64 * stride_r + c[None, :],
+                rows64 * stride_s + c[None, :],
+                mask,
+                HAS_RESIDUAL,
+                True,
+            )
+            cnt_new = cnt_l + tl.where(mask, 1.0, 0.0)
+            delta = x - mean_l
+            mean_l += tl.where(mask, delta / tl.maximum(cnt_new, 1.0), 0.0)
+            m2_l += tl.where(mask, delta * (x - mean_l), 0.0)
+            cnt_l = cnt_new
+        mean = tl.sum(cnt_l * mean_l, axis=1) / N  # (BLOCK_M,)
+        d = mean_l - mean[:, None]
+        var = (tl.sum(m2_l, axis=1) + tl.sum(cnt_l * d * d, axis=1)) / N  # (BLOCK_M,)
+
+    rstd = _rstd_from_var(var, eps, FORMULA)  # (BLOCK_M,)
+    tl.store(Mean + rows, mean, mask=row_mask)
+    tl.store(Rstd + rows, rstd, mask=row_mask)
+
+    # Normalise (and affine) and write Y.
+    if SINGLE_BLOCK:
+        y = xc * rstd[:, None]
+        col_mask = cols < N
+        if HAS_WEIGHT:
+            y = y * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if HAS_BIAS:
+            y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + rows64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    else:
+        for start in range(0, N, BLOCK_N):
+            c = start + cols
+            col_mask = c < N
+            mask = row_mask[:, None] & col_mask[None, :]
+            # Recompute x + r rather than re-reading S: a load of what this program stored may
+            # be served by another thread without a barrier.
+            x = _load_ln_input(
+                X,
+                R,
+                S,
+                rows64 * stride_x + c[None, :],
+                rows64 * stride_r + c[None, :],
+                rows64 * stride_s + c[None, :],
+                mask,
+                HAS_RESIDUAL,
+                False,
+            )
+            y = (x - mean[:, None]) * rstd[:, None]
+            if HAS_WEIGHT:
+                y = y * tl.load(W + c, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            if HAS_BIAS:
+                y = y + tl.load(B + c, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(Y + rows64 * stride_y + c[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------------------------
+# The VJP. Per row, with c_i = x_i - mu, var = mean(c^2), sigma = sqrt(var), xhat = c / r(var),
+# y = gamma * xhat + beta and g = dL/dxhat = dy * gamma (g = dy without a weight):
+#
+#   dxhat_i/dx_j = (delta_ij - 1/N) / r  -  c_i / r^2 * r'(var) * dvar/dx_j,
+#   dvar/dx_j    = 2 c_j / N                       (the mean term vanishes: sum_i c_i = 0),
+#
+#   dx_j = sum_i g_i dxhat_i/dx_j
+#        = (g_j - mean(g)) / r  -  2 r'(var) * xhat_j * mean(g * xhat)      [mean(g c) = r mean(g xhat)]
+#        = rstd * (g_j - mean(g) - k * xhat_j * mean(g * xhat)),   rstd = 1/r,  k = 2 r r'(var):
+#
+#   "sqrt_var_eps"  r = sqrt(var + eps)  r' = 1 / (2 sqrt(var + eps))  k = 1
+#   "std_plus_eps"  r = sigma + eps      r' = 1 / (2 sigma)            k = (sigma + eps) / sigma
+#                                                                        = 1 / (1 - eps * rstd)
+#   "exact"         r = sigma            r' = 1 / (2 sigma)            k = 1
+#
+# and dgamma = sum_rows dy * xhat, dbeta = sum_rows dy. For the fused residual add the grad of
+# `summed` is added to dx, and x and residual both receive that dx.
+#
+# "std_plus_eps" at sigma = 0 (N = 1 or a constant row): xhat = 0 and mean(g * xhat) = 0 while
+# k = inf. The term is taken as 0, so dx = rstd * (g - mean(g)); for N = 1 that is exactly 0,
+# the true derivative of the constant output (autograd through sqrt(0) gives NaN instead).
+#
+# Forward stores mean and rstd per row; the backward recomputes xhat from them and never needs
+# sigma except through rstd (sigma = 1/rstd - eps).
+
+
+@triton.jit
+def _xhat_correction(mgx, rstd, eps, FORMULA: tl.constexpr):
+    """k * mean(g * xhat) per row (see the VJP above), fp32."""
+    if FORMULA == 1:
+        inv_k = 1.0 - eps * rstd  # = sigma / (sigma + eps): k = 1 / inv_k
+        # sigma = 0 means xhat = 0 and mgx = 0: the term is 0 (and no 0 * inf is ever formed).
+        corr = tl.where(mgx == 0.0, 0.0, mgx / tl.where(inv_k == 0.0, 1.0, inv_k))
+    else:
+        corr = mgx
+    return corr
+
+
+@triton.jit
+def _layer_norm_bwd_row_sums_kernel(
+    X,  # *T: (M, N) layer-norm input (x, or x + residual for the fused op)
+    W,  # *Tw: (N,) gamma (read only if HAS_WEIGHT)
+    DY,  # *T: (M, N) grad of Y
+    Mean,  # *fp32: (M,) row mean from the forward
+    Rstd,  # *fp32: (M,) row 1 / r from the forward
+    MG,  # *fp32: (M,) out: mean(g) per row
+    MGX,  # *fp32: (M,) out: mean(g * xhat) per row
+    stride_x,  # int: row stride of X, in elements
+    stride_dy,  # int: row stride of DY
+    M,  # int: number of rows
+    N,  # int: row width
+    HAS_WEIGHT: tl.constexpr,  # g = dy * gamma rather than dy
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_N: tl.constexpr,  # column chunk width
+):
+    """Wide rows only: the two row means of the VJP, before the column-parallel dx pass."""
+    tl.static_assert(BLOCK_M * BLOCK_N <= 16384)
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    row_mask = rows < M
+    rows64 = rows.to(tl.int64)[:, None]  # (BLOCK_M, 1)
+    cols = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    mean = tl.load(Mean + rows, mask=row_mask, other=0.0)[:, None]  # (BLOCK_M, 1)
+    rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)[:, None]
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # fp32 accumulation
+    acc_gx = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        c = start + cols
+        col_mask = c < N
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(X + rows64 * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows64 * stride_dy + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+        g = dy
+        if HAS_WEIGHT:
+            g = dy * tl.load(W + c, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        acc_g += g
+        acc_gx += g * xhat
+    tl.store(MG + rows, tl.sum(acc_g, axis=1) / N, mask=row_mask)
+    tl.store(MGX + rows, tl.sum(acc_gx, axis=1) / N, mask=row_mask)
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(
+    X,  # *T: (M, N) layer-norm input (x, or x + residual for the fused op)
+    W,  # *Tw: (N,) gamma (read only if HAS_WEIGHT)
+    DY,  # *T: (M, N) grad of Y
+    DS,  # *T: (M, N) grad of the fused op's `summed` output (read only if HAS_DS)
+    DX,  # *T: (M, N) out: grad of X
+    Mean,  # *fp32: (M,) row mean from the forward
+    Rstd,  # *fp32: (M,) row 1 / r from the forward
+    MG,  # *fp32: (M,) mean(g) per row (read only if not SINGLE_BLOCK)
+    MGX,  # *fp32: (M,) mean(g * xhat) per row (read only if not SINGLE_BLOCK)
+    DW_partial,  # *fp32: (P, N) out: this program's sum over its rows of dy * xhat
+    DB_partial,  # *fp32: (P, N) out: this program's sum over its rows of dy
+    stride_x,  # int: row stride of X, in elements
+    stride_dy,  # int: row stride of DY
+    stride_ds,  # int: row stride of DS
+    stride_dx,  # int: row stride of DX
+    M,  # int: number of rows
+    N,  # int: row width
+    rows_per_program,  # int: rows handled by one program, a multiple of BLOCK_M
+    eps,  # fp32: eps of the formula
+    FORMULA: tl.constexpr,  # 0 sqrt_var_eps, 1 std_plus_eps, 2 exact
+    HAS_WEIGHT: tl.constexpr,  # g = dy * gamma; write DW_partial
+    HAS_BIAS: tl.constexpr,  # write DB_partial
+    HAS_DS: tl.constexpr,  # add DS to DX
+    BLOCK_M: tl.constexpr,  # rows per tile
+    BLOCK_N: tl.constexpr,  # columns per tile: >= N when SINGLE_BLOCK, else the chunk width
+    SINGLE_BLOCK: tl.constexpr,  # whole row in one tile: compute mean(g), mean(g xhat) here
+):
+    """Program (p, q) handles rows [p * rows_per_program, (p + 1) * rows_per_program) and column
+    chunk q. Grid: (P, cdiv(N, BLOCK_N)); with SINGLE_BLOCK there is one chunk. Each program owns
+    row p of the partial buffers for its columns, which makes dgamma/dbeta deterministic."""
+    tl.static_assert(BLOCK_M * BLOCK_N <= 16384)
+    tl.static_assert((FORMULA >= 0) & (FORMULA <= 2))
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    col_mask = cols < N
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]  # (1, BLOCK_N)
+    acc_dw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # fp32 accumulation of dy * xhat
+    acc_db = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # fp32 accumulation of dy
+    row_begin = pid_m * rows_per_program
+    for i in range(0, rows_per_program, BLOCK_M):
+        rows = row_begin + i + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+        row_mask = rows < M
+        rows64 = rows.to(tl.int64)[:, None]  # (BLOCK_M, 1)
+        mask = row_mask[:, None] & col_mask[None, :]  # (BLOCK_M, BLOCK_N)
+        x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(Mean + rows, mask=row_mask, other=0.0)  # (BLOCK_M,)
+        rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)  # (BLOCK_M,)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        g = dy
+        if HAS_WEIGHT:
+            g = dy * w
+        if SINGLE_BLOCK:
+            mg = tl.sum(g, axis=1) / N  # (BLOCK_M,)
+            mgx = tl.sum(g * xhat, axis=1) / N  # (BLOCK_M,)
+        else:
+            mg = tl.load(MG + rows, mask=row_mask, other=0.0)
+            mgx = tl.load(MGX + rows, mask=row_mask, other=0.0)
+        corr = _xhat_correction(mgx, rstd, eps, FORMULA)  # (BLOCK_M,)
+        dx = rstd[:, None] * (g - mg[:, None] - xhat * corr[:, None])
+        if HAS_DS:
+            dx += tl.load(DS + rows64 * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + rows64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_WEIGHT:
+            acc_dw += dy * xhat
+        if HAS_BIAS:
+            acc_db += dy
+    if HAS_WEIGHT:
+        tl.store(DW_partial + pid_m * N + cols, tl.sum(acc_dw, axis=0), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB_partial + pid_m * N + cols, tl.sum(acc_db, axis=0), mask=col_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: checks, launch geometry, launchers
+# ---------------------------------------------------------------------------------------------
+
+
+def _interpreter_active() -> bool:
+    """True when the kernels were built for the Triton interpreter (TRITON_INTERPRET=1 at import)."""
+    return not isinstance(_layer_norm_fwd_kernel, triton.runtime.JITFunction)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_inputs(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    formula: str,
+    residual: torch.Tensor | None = None,
+) -> None:
+    """Raise one clear ValueError / TypeError for the first bad argument."""
+    if formula not in FORMULAS:
+        raise ValueError(f"unknown layer-norm formula {formula!r}; valid: {', '.join(FORMULAS)}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    supported = ", ".join(_dtype_name(d) for d in _SUPPORTED_DTYPES)
+    if x.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"x has unsupported dtype {_dtype_name(x.dtype)}; supported: {supported}")
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"x needs a last dimension of width >= 1 to normalise, got shape {tuple(x.shape)}")
+    n = x.shape[-1]
+    if n > MAX_N:
+        raise ValueError(f"row width N = {n} is too wide; layer_norm supports N <= {MAX_N}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor):
+            raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
+        if residual.shape != x.shape:
+            raise ValueError(
+                f"x and residual shapes differ: {tuple(x.shape)} vs {tuple(residual.shape)}; they must match"
+            )
+        if residual.dtype != x.dtype:
+            raise TypeError(
+                f"x and residual dtypes differ: {_dtype_name(x.dtype)} vs {_dtype_name(residual.dtype)}"
+            )
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(p).__name__}")
+        if tuple(p.shape) != (n,):
+            raise ValueError(f"{name} must have shape ({n},) like the last dim of x, got {tuple(p.shape)}")
+        if p.dtype not in _SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has unsupported dtype {_dtype_name(p.dtype)}; supported: {supported}")
+    for name, t in (("residual", residual), ("weight", weight), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"x is on {x.device} but {name} is on {t.device}; tensors must share a device")
+    if x.device.type != "cuda" and not _interpreter_active():
+        raise ValueError(
+            f"Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 for the CPU interpreter; "
+            f"got tensors on {x.device}"
+        )
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """(..., N) -> (M, N) with unit column stride (a view when possible)."""
+    t2 = t.reshape(-1, n)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _programs_target(device: torch.device) -> int:
+    """How many programs keep the device busy: a few per SM on a GPU, a handful on the interpreter."""
+    if device.type == "cuda":
+        return 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 4
+
+
+def _geometry(
+    m: int, n: int, max_single: int, elems_per_warp: int, block_n: int | None
+) -> tuple[int, int, bool, int]:
+    """(BLOCK_M, BLOCK_N, SINGLE_BLOCK, num_warps) for an (m, n) problem.
+
+    `block_n` overrides the column tile (a power of two; tests use it to reach the chunked path
+    with small rows)."""
+    if block_n is None:
+        block_n = triton.next_power_of_2(n)
+        if block_n > max_single:
+            block_n = _CHUNK
+    elif block_n < 1 or block_n & (block_n - 1) or block_n > _MAX_TILE:
+        raise ValueError(f"block_n must be a power of two in [1, {_MAX_TILE}], got {block_n}")
+    single = block_n >= n
+    block_m = 1
+    if single:  # narrow rows: several per program
+        block_m = max(1, min(_TILE // block_n, triton.next_power_of_2(max(m, 1))))
+    num_warps = min(32, max(1, block_m * block_n // elems_per_warp))
+    return block_m, block_n, single, num_warps
+
+
+def _bwd_row_programs(m: int, n: int, device: torch.device, block_n: int | None = None) -> tuple[int, int]:
+    """(P, rows_per_program) of the backward: P row-programs (times the column chunks) fill the
+    device; P is also the row count of the dweight/dbias partial buffers."""
+    block_m, bn, _, _ = _geometry(m, n, _BWD_MAX_SINGLE_BLOCK, _BWD_ELEMS_PER_WARP, block_n)
+    row_tiles = triton.cdiv(m, block_m)
+    programs = max(1, min(row_tiles, _programs_target(device) // triton.cdiv(n, bn)))
+    rows_per_program = triton.cdiv(row_tiles, programs) * block_m
+    return triton.cdiv(m, rows_per_program), rows_per_program
+
+
+def layer_norm_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    formula: str = "sqrt_var_eps",
+    residual: torch.Tensor | None = None,
+    *,
+    block_n: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel.
+
+    Returns (y, summed, mean, rstd): y like x; summed = x + residual (None without a residual),
+    which is what was normalised; mean and rstd fp32 of shape (M,), M = x.numel() // N, with
+    rstd = 1 / r(var) of the chosen formula.
+    """
+    _check_inputs(x, weight, bias, eps, formula, residual)
+    n = x.shape[-1]
+    x2 = _rows(x, n)  # (M, N)
+    m = x2.shape[0]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y2 = y.view(-1, n)  # (M, N)
+    r2 = _rows(residual, n) if residual is not None else x2  # (M, N)
+    summed = torch.empty_like(y) if residual is not None else None
+    s2 = summed.view(-1, n) if summed is not None else y2  # (M, N)
+    mean = torch.empty(m, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return y, summed, mean, rstd
+    block_m, bn, single, num_warps = _geometry(m, n, _FWD_MAX_SINGLE_BLOCK, _FWD_ELEMS_PER_WARP, block_n)
+    w = weight.contiguous() if weight is not None else x2
+    b = bias.contiguous() if bias is not None else x2
+    _layer_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
+        x2,
+        r2,
+        s2,
+        y2,
+        w,
+        b,
+        mean,
+        rstd,
+        x2.stride(0),
+        r2.stride(0),
+        s2.stride(0),
+        y2.stride(0),
+        m,
+        n,
+        float(eps),
+        FORMULA=FORMULAS[formula],
+        HAS_RESIDUAL=residual is not None,
+        HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=bn,
+        SINGLE_BLOCK=single,
+        num_warps=num_warps,
+    )
+    return y, summed, mean, rstd
+
+
+def layer_norm_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    formula: str = "sqrt_var_eps",
+    dsummed: torch.Tensor | None = None,
+    *,
+    block_n: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Launch the backward kernel(s).
+
+    `x` is what the forward normalised (for the fused op: `summed`), `mean`/`rstd` its saved
+    statistics. `dsummed`, the grad of the fused op's `summed`, is added to dx. Returns
+    (dx, dweight, dbias): dx like x; dweight/dbias in the weight/bias dtype, or None when there
+    is no weight/bias.
+    """
+    _check_inputs(x, weight, bias, eps, formula, dsummed)
+    if dy.shape != x.shape:
+        raise ValueError(f"dy shape {tuple(dy.shape)} differs from x shape {tuple(x.shape)}")
+    n = x.shape[-1]
+    x2 = _rows(x, n)  # (M, N)
+    dy2 = _rows(dy, n)  # (M, N)
+    ds2 = _rows(dsummed, n) if dsummed is not None else dy2  # (M, N)
+    m = x2.shape[0]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx2 = dx.view(-1, n)  # (M, N)
+    if m == 0:
+        zeros = lambda p: torch.zeros_like(p) if p is not None else None
+        return dx, zeros(weight), zeros(bias)
+
+    block_m, bn, single, num_warps = _geometry(m, n, _BWD_MAX_SINGLE_BLOCK, _BWD_ELEMS_PER_WARP, block_n)
+    n_chunks = triton.cdiv(n, bn)
+    programs, rows_per_program = _bwd_row_programs(m, n, x.device, block_n)
+
+    w = weight.contiguous() if weight is not None else x2
+    mg = mgx = mean  # unused by the single-block kernel
+    if not single:
+        mg = torch.empty(m, dtype=torch.float32, device=x.device)
+        mgx = torch.empty(m, dtype=torch.float32, device=x.device)
+        _layer_norm_bwd_row_sums_kernel[(m,)](
+            x2,
+            w,
+            dy2,
+            mean,
+            rstd,
+            mg,
+            mgx,
+            x2.stride(0),
+            dy2.stride(0),
+            m,
+            n,
+            HAS_WEIGHT=weight is not None,
+            BLOCK_M=1,
+            BLOCK_N=bn,
+            num_warps=num_warps,
+        )
+    # Deterministic weight gradients: program p writes row p of these, then a fixed-order sum.
+    dw_part = torch.empty((programs, n), dtype=torch.float32, device=x.device) if weight is not None else mean
+    db_part = torch.empty((programs, n), dtype=torch.float32, device=x.device) if bias is not None else mean
+    _layer_norm_bwd_kernel[(programs, n_chunks)](
+        x2,
+        w,
+        dy2,
+        ds2,
+        dx2,
+        mean,
+        rstd,
+        mg,
+        mgx,
+        dw_part,
+        db_part,
+        x2.stride(0),
+        dy2.stride(0),
+        ds2.stride(0),
+        dx2.stride(0),
+        m,
+        n,
+        rows_per_program,
+        float(eps),
+        FORMULA=FORMULAS[formula],
+        HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None,
+        HAS_DS=dsummed is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=bn,
+        SINGLE_BLOCK=single,
+        num_warps=num_warps,
+    )
+    dweight = dw_part.sum(0).to(weight.dtype) if weight is not None else None
+    dbias = db_part.sum(0).to(bias.dtype) if bias is not None else None
+    return dx, dweight, dbias
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd and the public functions
+# ---------------------------------------------------------------------------------------------
+
+
+class LayerNormFunction(torch.autograd.Function):
+    """y = LN(x) * weight + bias, differentiable in x, weight and bias."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        eps: float,
+        formula: str,
+    ) -> torch.Tensor:
+        y, _, mean, rstd = layer_norm_forward(x, weight, bias, eps, formula)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.eps, ctx.formula = eps, formula
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        dx, dweight, dbias = layer_norm_backward(dy, x, mean, rstd, weight, bias, ctx.eps, ctx.formula)
+        return dx, dweight, dbias, None, None
+
+
+class AddLayerNormFunction(torch.autograd.Function):
+    """(normed, summed) = (LN(x + residual) * weight + bias, x + residual), both differentiable."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        eps: float,
+        formula: str,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            raise TypeError("residual must be a torch.Tensor, got NoneType")
+        normed, summed, mean, rstd = layer_norm_forward(x, weight, bias, eps, formula, residual=residual)
+        ctx.save_for_backward(summed, weight, bias, mean, rstd)
+        ctx.eps, ctx.formula = eps, formula
+        ctx.set_materialize_grads(False)  # an unused output's grad stays None: no zero tensor read
+        return normed, summed
+
+    @staticmethod
+    def backward(ctx, dnormed: torch.Tensor | None, dsummed: torch.Tensor | None):
+        summed, weight, bias, mean, rstd = ctx.saved_tensors
+        if dnormed is None:  # only `summed` was used: the add's gradient, nothing through the norm
+            return dsummed, dsummed, None, None, None, None
+        dx, dweight, dbias = layer_norm_backward(
+            dnormed, summed, mean, rstd, weight, bias, ctx.eps, ctx.formula, dsummed=dsummed
+        )
+        # x and residual get the same gradient (autograd copies before accumulating into it).
+        return dx, dx, dweight, dbias, None, None
+
+
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    formula: str = "sqrt_var_eps",
+) -> torch.Tensor:
+    """Normalise the last dim of x with `formula` (see the module doc), then the optional affine.
+
+    x: (..., N), fp32/fp16/bf16, N <= 65536; weight, bias: (N,) or None. The result has x's
+    shape and dtype; statistics are fp32. "exact" ignores eps and gives NaN for constant rows.
+    """
+    return LayerNormFunction.apply(x, weight, bias, eps, formula)
+
+
+def add_layer_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    formula: str = "sqrt_var_eps",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused residual add + layer norm: returns (normed, summed), summed = x + residual in x's
+    dtype and normed = layer_norm(summed, ...), in one pass over the data.
+
+    Pre-LN blocks carry `summed` as the residual stream, post-LN blocks carry `normed`; both are
+    differentiable and the grad of `summed` reaches x and residual.
+    """
+    return AddLayerNormFunction.apply(x, residual, weight, bias, eps, formula)
+
+
+# ---------------------------------------------------------------------------------------------
+# Torch references (plain ops; what the kernels are tested against)
+# ---------------------------------------------------------------------------------------------
+
+
+def layer_norm_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    formula: str = "sqrt_var_eps",
+) -> torch.Tensor:
+    """The same function in plain torch ops, computed in fp32 (float64 stays float64), returned
+    in x's dtype. Differentiable by autograd."""
+    if formula not in FORMULAS:
+        raise ValueError(f"unknown layer-norm formula {formula!r}; valid: {', '.join(FORMULAS)}")
+    compute = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(compute)
+    mu = xf.mean(dim=-1, keepdim=True)
+    xc = xf - mu
+    var = (xc * xc).mean(dim=-1, keepdim=True)  # population variance
+    if formula == "sqrt_var_eps":
+        y = xc / torch.sqrt(var + eps)
+    elif formula == "std_plus_eps":
+        y = xc / (torch.sqrt(var) + eps)
+    else:
+        y = xc / torch.sqrt(var)
+    if weight is not None:
+        y = y * weight.to(compute)
+    if bias is not None:
+        y = y + bias.to(compute)
+    return y.to(x.dtype)
+
+
+def add_layer_norm_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    formula: str = "sqrt_var_eps",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer_norm_reference(x + residual, ...), x + residual)."""
+    summed = x + residual
+    return layer_norm_reference(summed, weight, bias, eps, formula), summed
