@@ -1,0 +1,124 @@
+"""Generation benchmark: tokens/s with the KV cache against without it, measured in the same run.
+
+    python -m lmsys.bench generate                       # tiny preset, 16-token prompt, 112 new tokens
+    python -m lmsys.bench generate preset=gpt2_124m new_tokens=256 device=cuda
+    python -m lmsys.bench generate set=max_seq_len=1024 repeats=1   # a longer window: O(T) vs O(T^2)
+
+Both runs generate greedily from the same random-weight model and prompt, so they produce the
+same tokens (checked); the ratio cached/uncached is the figure to report (DESIGN.md: every
+benchmark prints a ratio against a baseline measured in the same run), with the absolute
+numbers and the device.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+import time
+
+import torch
+
+from lmsys.export import Option, UsageError, parse_options, resolve_device, resolve_dtype, run_cli
+
+PROG = "lmsys-bench generate"
+
+OPTIONS = [
+    Option("preset", "str", "tiny", "model preset (conf/model/)"),
+    Option("set", "str", None, "model override of the preset, e.g. set=max_seq_len=1024", repeat=True),
+    Option("prompt_tokens", "int", 16, "prompt length"),
+    Option("new_tokens", "int", None, "tokens to generate (default: fill the context window)"),
+    Option("repeats", "int", 3, "timed repetitions of each (the best is reported)"),
+    Option("device", "str", "auto", "auto, cpu, cuda"),
+    Option("dtype", "choice", "fp32", "compute dtype", ("fp32", "bf16", "fp16")),
+    Option("threads", "int", None, "CPU threads for torch (default: torch's choice)"),
+]
+
+SUMMARY = "Generation benchmark: tokens/s with and without the KV cache (greedy, random weights)."
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _timed(fn, device: torch.device) -> tuple[float, list[int]]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0, out
+
+
+def run(opts: dict) -> dict:
+    from lmsys.config import compose_model
+    from lmsys.generate import Sampling, generate_one
+    from lmsys.model import Transformer
+
+    device, dtype = resolve_device(opts["device"]), resolve_dtype(opts["dtype"])
+    if opts.get("threads"):
+        torch.set_num_threads(int(opts["threads"]))
+    cfg = compose_model(opts["preset"], list(opts.get("set") or []))
+    torch.manual_seed(0)
+    model = Transformer(cfg).to(device=device, dtype=dtype).eval()
+    n_prompt = opts["prompt_tokens"]
+    window = cfg.max_seq_len if cfg.positions.kind != "none" else n_prompt + 256
+    new = opts["new_tokens"] or (window - n_prompt)
+    if n_prompt < 1 or new < 1 or n_prompt + new > window + 1:
+        raise UsageError(
+            f"prompt_tokens={n_prompt} + new_tokens={new} must fit the context window of {window} (+1)"
+        )
+    prompt = torch.randint(
+        0, cfg.vocab_size, (n_prompt,), generator=torch.Generator().manual_seed(1)
+    ).tolist()
+    greedy = Sampling(greedy=True)
+    results = {}
+    for name, use_cache in (("cached", True), ("uncached", False)):
+        generate_one(model, prompt, min(new, 4), greedy, None, 0, use_cache)  # warm-up
+        best, tokens = float("inf"), []
+        for _ in range(max(1, opts["repeats"])):
+            seconds, tokens = _timed(
+                lambda uc=use_cache: generate_one(model, prompt, new, greedy, None, 0, uc), device
+            )
+            best = min(best, seconds)
+        results[name] = {"seconds": best, "tokens_per_s": len(tokens) / best, "tokens": tokens}
+    same = results["cached"]["tokens"] == results["uncached"]["tokens"]
+    return {
+        "preset": opts["preset"],
+        "device": _device_name(device),
+        "dtype": opts["dtype"],
+        "prompt_tokens": n_prompt,
+        "new_tokens": new,
+        "cached_tokens_per_s": results["cached"]["tokens_per_s"],
+        "uncached_tokens_per_s": results["uncached"]["tokens_per_s"],
+        "ratio": results["cached"]["tokens_per_s"] / results["uncached"]["tokens_per_s"],
+        "same_tokens": same,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+
+    def body() -> int:
+        opts = parse_options(PROG, argv, OPTIONS, SUMMARY)
+        if opts is None:
+            return 0
+        r = run(opts)
+        overrides = "".join(f" {o}" for o in opts["set"])
+        print(
+            f"generate {r['preset']}{overrides} on {r['device']}, {r['dtype']}: "
+            f"prompt {r['prompt_tokens']} tokens, "
+            f"{r['new_tokens']} new tokens (greedy)\n"
+            f"  KV cache     {r['cached_tokens_per_s']:10.1f} tokens/s\n"
+            f"  no cache     {r['uncached_tokens_per_s']:10.1f} tokens/s (baseline: full prefix each token)\n"
+            f"  ratio        {r['ratio']:10.2f}x  (same tokens: {'yes' if r['same_tokens'] else 'NO'})"
+        )
+        return 0 if r["same_tokens"] else 1
+
+    return run_cli(PROG, body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

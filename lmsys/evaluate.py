@@ -1,0 +1,378 @@
+"""lmsys-eval: perplexity and bits per byte of a model on a text file or a prepared validation split.
+
+    python -m lmsys.evaluate runs/tiny-x/export text=notes.txt
+    python -m lmsys.evaluate model=runs/tiny-x data=data/default          # the validation split
+    python -m lmsys.evaluate run=runs/tiny-x                              # every checkpoint: table + PNG
+
+`model=` is an export directory or a checkpoint (run dir, checkpoints/ dir or tag dir); `run=`
+evaluates every checkpoint tag of a run, prints a table and writes a plot of loss and
+perplexity against the step (plot=, default <run>/eval.png). Without text= or data=, a
+checkpoint is evaluated on the validation split of its own data.dir.
+
+What is measured. The evaluated token stream (the text file encoded, or the split's tokens,
+documents separated by eos) is cut into consecutive windows of seq_len tokens (default
+model.max_seq_len); every token is predicted exactly once, from the tokens before it in its
+window. The first token of the stream is predicted from eos (the document separator that
+precedes every document in training); a window's first token from the last token of the
+previous window. Models with bos_shift (seed 001) predict each window's first token from
+bos_shift_id, as in their training loss. Then, with N tokens and a total negative
+log-likelihood of NLL nats:
+    loss = NLL / N (nats/token),  perplexity = exp(NLL / N),  bits/token = NLL / N / ln 2,
+    bits per byte = NLL / ln 2 / B,
+where B is the number of UTF-8 bytes of the evaluated text: the file's bytes, or for a data
+split the bytes of its decoded tokens (eos decodes to nothing). Bits per byte compares models
+with different tokenizers; perplexity only models that share one.
+
+Errors print one line `lmsys-eval: error: ...` on stderr and exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from lmsys.export import (
+    ExportError,
+    Option,
+    UsageError,
+    list_run_checkpoints,
+    load_model,
+    parse_options,
+    resolve_checkpoint,
+    resolve_device,
+    resolve_dtype,
+    run_cli,
+)
+
+PROG = "lmsys-eval"
+LN2 = math.log(2.0)
+
+
+class EvalError(UsageError):
+    """Bad evaluation input; one line."""
+
+
+@dataclass
+class EvalResult:
+    tokens: int  # predicted tokens N
+    bytes: int  # UTF-8 bytes B of the evaluated text
+    nll: float  # total negative log-likelihood, nats
+
+    @property
+    def loss(self) -> float:
+        return self.nll / self.tokens if self.tokens else float("nan")
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(min(self.loss, 700.0))
+
+    @property
+    def bits_per_token(self) -> float:
+        return self.loss / LN2
+
+    @property
+    def bits_per_byte(self) -> float:
+        return self.nll / LN2 / self.bytes if self.bytes else float("nan")
+
+    def as_dict(self) -> dict:
+        return {
+            **asdict(self),
+            "loss": self.loss,
+            "perplexity": self.perplexity,
+            "bits_per_token": self.bits_per_token,
+            "bits_per_byte": self.bits_per_byte,
+        }
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+@torch.inference_mode()
+def token_nll(
+    model,
+    tokens: Sequence[int] | np.ndarray | torch.Tensor,
+    seq_len: int | None = None,
+    batch_size: int = 8,
+    first_context: int = 2,
+) -> torch.Tensor:
+    """Negative log-likelihood (nats, float64) of every token of `tokens` (1-D), in windows of
+    `seq_len` (see the module docstring for the context each window's first token gets)."""
+    cfg = model.cfg
+    seq_len = seq_len or cfg.max_seq_len
+    if seq_len < 1:
+        raise EvalError(f"seq_len={seq_len} must be >= 1")
+    if cfg.positions.kind != "none" and seq_len > cfg.max_seq_len:
+        raise EvalError(
+            f"seq_len={seq_len} is longer than the model's context (model.max_seq_len={cfg.max_seq_len})"
+        )
+    device = next(model.parameters()).device
+    stream = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
+    n = stream.numel()
+    if n == 0:
+        return torch.zeros(0, dtype=torch.float64)
+    # previous[i] is the token before stream[i]: the context of a window's first token.
+    previous = torch.cat([torch.tensor([first_context]), stream[:-1]])
+    if cfg.bos_shift:
+        previous[::seq_len] = cfg.bos_shift_id
+    out = torch.empty(n, dtype=torch.float64)
+    n_full = n // seq_len
+    starts = list(range(0, n_full * seq_len, seq_len))
+    for b in range(0, len(starts), batch_size):
+        group = starts[b : b + batch_size]
+        targets = torch.stack([stream[s : s + seq_len] for s in group])  # (B, S)
+        inputs = torch.stack([torch.cat([previous[s : s + 1], stream[s : s + seq_len - 1]]) for s in group])
+        out[group[0] : group[-1] + seq_len] = _window_nll(model, inputs, targets, device).flatten()
+    if n_full * seq_len < n:  # the last, shorter window
+        s = n_full * seq_len
+        targets = stream[s:][None]
+        inputs = torch.cat([previous[s : s + 1], stream[s : n - 1]])[None]
+        out[s:] = _window_nll(model, inputs, targets, device).flatten()
+    return out
+
+
+def _window_nll(model, inputs: torch.Tensor, targets: torch.Tensor, device: torch.device) -> torch.Tensor:
+    logits = model(inputs.to(device)).float()  # (B, S, V)
+    nll = F.cross_entropy(logits.flatten(0, 1), targets.to(device).flatten(), reduction="none")
+    return nll.view_as(targets).double().cpu()
+
+
+def decoded_bytes(tokenizer, tokens: np.ndarray, eos_id: int, chunk: int = 1 << 20) -> int:
+    """UTF-8 bytes of the decoded tokens, decoding in pieces cut after an eos (exact: no
+    multi-token character spans a document boundary)."""
+    total, start, n = 0, 0, len(tokens)
+    while start < n:
+        end = min(n, start + chunk)
+        if end < n:
+            eos = np.flatnonzero(np.asarray(tokens[start:end]) == eos_id)
+            if eos.size:
+                end = start + int(eos[-1]) + 1
+        total += len(tokenizer.decode(np.asarray(tokens[start:end]).tolist()).encode("utf-8"))
+        start = end
+    return total
+
+
+def evaluate_tokens(
+    model,
+    tokenizer,
+    tokens: np.ndarray,
+    seq_len: int | None = None,
+    batch_size: int = 8,
+    n_bytes: int | None = None,
+) -> EvalResult:
+    nll = token_nll(model, tokens, seq_len, batch_size, first_context=tokenizer.eos_id)
+    if n_bytes is None:
+        n_bytes = decoded_bytes(tokenizer, np.asarray(tokens), tokenizer.eos_id)
+    return EvalResult(tokens=int(nll.numel()), bytes=int(n_bytes), nll=float(nll.sum().item()))
+
+
+def evaluate_text(
+    model,
+    tokenizer,
+    text: str,
+    seq_len: int | None = None,
+    batch_size: int = 8,
+    max_tokens: int | None = None,
+) -> EvalResult:
+    """Score a text: its tokens (the whole text, or its first max_tokens tokens)."""
+    tokens = np.asarray(tokenizer.encode(text), dtype=np.int64)
+    if len(tokens) == 0:
+        raise EvalError("the text is empty: nothing to evaluate")
+    n_bytes = len(text.encode("utf-8"))
+    if max_tokens and max_tokens < len(tokens):
+        tokens = tokens[:max_tokens]
+        n_bytes = None  # the decoded prefix's bytes
+    return evaluate_tokens(model, tokenizer, tokens, seq_len, batch_size, n_bytes)
+
+
+def split_tokens(data_dir: str | Path, tokenizer, split: str = "val") -> np.ndarray:
+    """The tokens of a prepared data split (lmsys.data.PreparedData, checked against its
+    manifest), in shard order: documents each followed by eos. The data's tokenizer must be the
+    model's."""
+    from lmsys.data import PreparedData
+
+    if not Path(data_dir).is_dir():
+        raise EvalError(f"data={data_dir} does not exist (expected a directory written by lmsys-prepare)")
+    data = PreparedData(data_dir)
+    if data.tokenizer_sha256 != tokenizer.sha256:
+        raise EvalError(
+            f"the tokenizer does not match the model: data={data_dir} was encoded with tokenizer sha256 "
+            f"{data.tokenizer_sha256[:12]}, the model's is {tokenizer.sha256[:12]}"
+        )
+    tokens = data.split(split)
+    if len(tokens) == 0:
+        raise EvalError(f"data={data_dir} has no {split} tokens")
+    return tokens.read(0, len(tokens)).astype(np.int64)
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+@dataclass
+class Source:
+    kind: str  # text | data
+    path: Path
+    label: str
+
+
+def pick_source(opts: dict, checkpoint_config: dict | None) -> Source:
+    if opts["text"] and opts["data"]:
+        raise UsageError("give text= or data=, not both")
+    if opts["text"]:
+        path = Path(opts["text"])
+        if not path.is_file():
+            raise EvalError(f"text={path} does not exist")
+        return Source("text", path, f"{path}")
+    if opts["data"]:
+        return Source("data", Path(opts["data"]), f"{opts['data']} ({opts['split']} split)")
+    data_dir = ((checkpoint_config or {}).get("data") or {}).get("dir")
+    if data_dir:
+        return Source("data", Path(data_dir), f"{data_dir} ({opts['split']} split, the run's data.dir)")
+    raise UsageError("give text=FILE or data=DIR (a prepared data directory) to evaluate on")
+
+
+def evaluate_source(model, tokenizer, source: Source, opts: dict) -> EvalResult:
+    if source.kind == "text":
+        try:
+            text = source.path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise EvalError(f"text={source.path} is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+        return evaluate_text(model, tokenizer, text, opts["seq_len"], opts["batch_size"], opts["max_tokens"])
+    tokens = split_tokens(source.path, tokenizer, opts["split"])
+    if opts["max_tokens"]:
+        tokens = tokens[: opts["max_tokens"]]
+    return evaluate_tokens(model, tokenizer, tokens, opts["seq_len"], opts["batch_size"])
+
+
+def plot_run(rows: list[dict], out: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4), dpi=110)
+    ax1.plot(steps, [r["loss"] for r in rows], "o-")
+    ax1.set_xlabel("optimizer step")
+    ax1.set_ylabel("loss (nats/token)")
+    ax2.plot(steps, [r["perplexity"] for r in rows], "o-", color="tab:orange")
+    ax2.set_xlabel("optimizer step")
+    ax2.set_ylabel("perplexity")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+# ----------------------------------------------------------------------------- CLI
+
+OPTIONS = [
+    Option("model", "str", None, "export directory or checkpoint to evaluate"),
+    Option("run", "str", None, "run directory: evaluate every checkpoint (table + plot)"),
+    Option("text", "str", None, "UTF-8 text file to evaluate on"),
+    Option("data", "str", None, "prepared data directory (lmsys-prepare) to evaluate on"),
+    Option("split", "choice", "val", "split of data=", ("val", "train")),
+    Option("seq_len", "int", None, "window length in tokens (default: model.max_seq_len)"),
+    Option("batch_size", "int", 8, "windows per forward"),
+    Option("max_tokens", "int", None, "evaluate only the first N tokens"),
+    Option("plot", "str", None, "PNG for run= (default: <run>/eval.png)"),
+    Option("json", "str", None, "also write the results as JSON to this file"),
+    Option("device", "str", "auto", "auto, cpu, cuda or cuda:N"),
+    Option("dtype", "choice", "fp32", "compute dtype", ("fp32", "bf16", "fp16")),
+    Option("tokenizer", "str", None, "tokenizer.model for a checkpoint (default: found from its data.dir)"),
+]
+
+SUMMARY = (
+    "lmsys-eval: perplexity and bits per byte of a model (export or checkpoint) on a text file or a\n"
+    "prepared data split; run= evaluates every checkpoint of a run.\n"
+    "example: python -m lmsys.evaluate model=exports/tiny text=notes.txt"
+)
+
+
+def _summary_line(result: EvalResult) -> str:
+    return (
+        f"loss {result.loss:.4f} nats/token, perplexity {result.perplexity:.3f}, "
+        f"{result.bits_per_token:.4f} bits/token, {result.bits_per_byte:.4f} bits/byte "
+        f"({result.tokens:,} tokens, {result.bytes:,} bytes)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+
+    def body() -> int:
+        opts = parse_options(PROG, argv, OPTIONS, SUMMARY, positional="model")
+        if opts is None:
+            return 0
+        if bool(opts["model"]) == bool(opts["run"]):
+            raise UsageError(f"give exactly one of model= or run=; run `{PROG} --help` for the options")
+        if opts["batch_size"] is None or opts["batch_size"] < 1:
+            raise UsageError(f"batch_size={opts['batch_size']} must be >= 1")
+        if opts["max_tokens"] is not None and opts["max_tokens"] < 1:
+            raise UsageError(f"max_tokens={opts['max_tokens']} must be >= 1")
+        device, dtype = resolve_device(opts["device"]), resolve_dtype(opts["dtype"])
+        if opts["model"]:
+            path = Path(opts["model"])
+            model, tok, meta = load_model(path, device=device, dtype=dtype, tokenizer=opts["tokenizer"])
+            config = None
+            if meta.get("format") == "checkpoint":
+                config = resolve_checkpoint(path, verify_hashes=False).config
+            source = pick_source(opts, config)
+            result = evaluate_source(model, tok, source, opts)
+            print(f"{PROG}: {path} on {source.label}")
+            print(f"{PROG}: {_summary_line(result)}")
+            if opts["json"]:
+                Path(opts["json"]).write_text(
+                    json.dumps({"model": str(path), "source": source.label, **result.as_dict()}, indent=1)
+                    + "\n"
+                )
+            return 0
+        run = Path(opts["run"])
+        tags = list_run_checkpoints(run)
+        source = pick_source(opts, resolve_checkpoint(tags[-1], verify_hashes=False).config)
+        rows = []
+        print(f"{PROG}: {run}: {len(tags)} checkpoint(s) on {source.label}")
+        print(f"{'step':>9} {'tokens':>10} {'loss':>9} {'ppl':>10} {'bits/byte':>10}  checkpoint")
+        for tag_dir in tags:
+            try:
+                model, tok, meta = load_model(
+                    tag_dir, device=device, dtype=dtype, tokenizer=opts["tokenizer"]
+                )
+            except ExportError as exc:
+                print(f"{PROG}: warning: skipping {tag_dir.name}: {exc}", file=sys.stderr, flush=True)
+                continue
+            result = evaluate_source(model, tok, source, opts)
+            row = {"step": int(meta.get("step") or 0), "checkpoint": tag_dir.name, **result.as_dict()}
+            rows.append(row)
+            print(
+                f"{row['step']:>9,} {result.tokens:>10,} {result.loss:>9.4f} {result.perplexity:>10.3f} "
+                f"{result.bits_per_byte:>10.4f}  {tag_dir.name}",
+                flush=True,
+            )
+        if not rows:
+            raise EvalError(f"no checkpoint of {run} could be loaded")
+        plot = Path(opts["plot"]) if opts["plot"] else run / "eval.png"
+        plot_run(rows, plot, f"{run.name}: {source.label}")
+        print(f"{PROG}: plot: {plot}")
+        if opts["json"]:
+            Path(opts["json"]).write_text(
+                json.dumps({"run": str(run), "source": source.label, "rows": rows}, indent=1) + "\n"
+            )
+        return 0
+
+    return run_cli(PROG, body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
