@@ -1,0 +1,261 @@
+"""The training loader: fixed-length sequences cut from prepared token shards.
+
+Order. A split (the concatenation of its shards, see lmsys.prepare) is cut into N
+non-overlapping samples of `tokens_per_sample` tokens (the tail shorter than one sample is
+never used). Epoch e visits them in the order `permutation(N)` drawn from a generator seeded
+with (seed, e); the epochs are laid end to end as one stream, and optimizer step s takes stream
+positions [s*G, (s+1)*G) with G the global batch in sequences. So every sample is seen exactly
+once in every N consecutive positions (full coverage per epoch, an epoch may end mid-step), and
+the global batch of a step does not depend on the number of ranks.
+
+Ranks. Rank r of W takes the contiguous slice [r*G/W, (r+1)*G/W) of each step's global batch
+and cuts it into micro-batches of `micro_batch_size`, in order: no sample is shared between
+ranks, and the concatenation over ranks is the 1-process batch.
+
+Resume. The whole state is the stream position (a step and a micro-batch index) plus the
+settings it is checked against: a restored loader yields exactly the batches an uninterrupted
+one would, for any world size that divides the global batch when restored between steps, and
+for the same world size and micro-batch size when restored in the middle of a step.
+
+Validation. `val_batches(n)` always reads the held-out "val" split (a document goes to one
+split only, see lmsys.prepare), the same sequences at every evaluation.
+
+Loss weights (SPEC section 8) travel with each batch: ones, except, with
+`mask_doc_boundaries`, a zero for the prediction of the first token of a document from the
+previous document's eos.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lmsys.config import ModelConfig
+from lmsys.corpus import DataError
+from lmsys.prepare import read_manifest
+
+__all__ = ["Batch", "DataError", "PreparedData", "TokenLoader"]
+
+STATE_VERSION = 1
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # (B, S) int64 token ids
+    weights: torch.Tensor  # (B, S) float32: weights[b, s] weighs the prediction of tokens[b, s]
+
+
+class SplitTokens:
+    """One split's shards as a single read-only token array (memory-mapped, never loaded)."""
+
+    def __init__(self, directory: Path, shards: list[dict[str, Any]], dtype: np.dtype):
+        self.shards = [
+            np.memmap(directory / s["file"], dtype=dtype, mode="r", shape=(int(s["tokens"]),))
+            for s in shards
+            if int(s["tokens"]) > 0
+        ]
+        self.starts = np.cumsum([0] + [len(s) for s in self.shards])  # (n_shards + 1,)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start + length), across shard boundaries when needed."""
+        parts = []
+        end = start + length
+        i = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while start < end:
+            shard = self.shards[i]
+            lo = start - int(self.starts[i])
+            take = min(end - start, len(shard) - lo)
+            parts.append(shard[lo : lo + take])
+            start += take
+            i += 1
+        return np.concatenate(parts) if len(parts) > 1 else np.asarray(parts[0])
+
+
+class PreparedData:
+    """A directory written by lmsys-prepare, checked against its manifest on opening."""
+
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory)
+        self.manifest = read_manifest(self.dir)
+        tok = self.manifest["tokenizer"]
+        self.vocab_size = int(tok["vocab_size"])
+        self.eos_id = int(tok["eos_id"])
+        self.tokenizer_path = self.dir / tok["file"]
+        self.tokenizer_sha256 = str(tok["sha256"])
+        self.dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
+        self._splits: dict[str, SplitTokens] = {}
+
+    def split(self, name: str) -> SplitTokens:
+        if name not in self.manifest["splits"]:
+            raise DataError(f"{self.dir} has no split {name!r} (it has {sorted(self.manifest['splits'])})")
+        if name not in self._splits:
+            shards = [s for s in self.manifest["shards"] if s["split"] == name]
+            self._splits[name] = SplitTokens(self.dir, shards, self.dtype)
+        return self._splits[name]
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Refuse a model whose vocabulary differs from the tokenizer the shards were made with."""
+        if model.vocab_size != self.vocab_size:
+            raise DataError(
+                f"model.vocab_size={model.vocab_size} but {self.dir} was tokenized with a "
+                f"{self.vocab_size}-piece tokenizer; set model.vocab_size={self.vocab_size} or "
+                f"re-run lmsys-prepare data.dir={self.dir} model.vocab_size={model.vocab_size}"
+            )
+
+
+class TokenLoader:
+    """Micro-batches of one rank for training (`next_batch`) and validation (`val_batches`)."""
+
+    def __init__(
+        self,
+        data: PreparedData,
+        split: str,
+        *,
+        tokens_per_sample: int,
+        global_batch_size: int,
+        micro_batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        mask_doc_boundaries: bool = False,
+    ):
+        if global_batch_size % (micro_batch_size * world_size):
+            raise ValueError(
+                f"global batch of {global_batch_size} sequences does not split into micro-batches of "
+                f"{micro_batch_size} on {world_size} ranks"
+            )
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        self.data, self.split_name = data, split
+        self.tokens = data.split(split)
+        self.sample_len = tokens_per_sample
+        self.global_batch, self.micro_batch = global_batch_size, micro_batch_size
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.mask_doc_boundaries = mask_doc_boundaries
+        self.num_samples = len(self.tokens) // tokens_per_sample
+        if self.num_samples == 0:
+            raise DataError(
+                f"the {split} split of {data.dir} holds {len(self.tokens)} tokens, fewer than one "
+                f"sequence of {tokens_per_sample}; use more text or a shorter data.seq_len"
+            )
+        self.micro_batches_per_step = global_batch_size // (micro_batch_size * world_size)
+        self.step = 0  # optimizer steps fully consumed
+        self.micro = 0  # micro-batches of the current step consumed by this rank
+        self._epoch_orders: dict[int, np.ndarray] = {}
+
+    # -- order ------------------------------------------------------------------------------
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._epoch_orders:
+            if len(self._epoch_orders) > 2:  # a step spans at most two epochs unless G > N
+                self._epoch_orders.clear()
+            rng = np.random.default_rng([self.seed, epoch])
+            self._epoch_orders[epoch] = rng.permutation(self.num_samples)
+        return self._epoch_orders[epoch]
+
+    def sample_indices(self, step: int, micro: int) -> np.ndarray:
+        """Sample indices of this rank's micro-batch `micro` of optimizer step `step`."""
+        first = (
+            step * self.global_batch
+            + self.rank * (self.global_batch // self.world_size)
+            + micro * self.micro_batch
+        )
+        positions = np.arange(first, first + self.micro_batch)  # (micro_batch,)
+        return np.array(
+            [self._order(int(p) // self.num_samples)[int(p) % self.num_samples] for p in positions]
+        )
+
+    @property
+    def epoch(self) -> float:
+        """Epochs completed, fractional, at the current position."""
+        return self.step * self.global_batch / self.num_samples
+
+    # -- batches ----------------------------------------------------------------------------
+
+    def _batch(self, indices: np.ndarray, tokens: SplitTokens | None = None) -> Batch:
+        """Samples `indices` of `tokens` (default: this loader's split) as one micro-batch."""
+        source = self.tokens if tokens is None else tokens
+        rows = [source.read(int(i) * self.sample_len, self.sample_len) for i in indices]
+        tokens = torch.from_numpy(np.stack(rows).astype(np.int64))  # (B, S)
+        weights = torch.ones(tokens.shape, dtype=torch.float32)  # (B, S)
+        if self.mask_doc_boundaries:
+            weights[:, 1:][tokens[:, :-1] == self.data.eos_id] = 0.0
+        return Batch(tokens, weights)
+
+    def next_batch(self) -> Batch:
+        batch = self._batch(self.sample_indices(self.step, self.micro))
+        self.micro += 1
+        if self.micro == self.micro_batches_per_step:
+            self.step, self.micro = self.step + 1, 0
+        return batch
+
+    def val_batches(self, count: int) -> list[Batch]:
+        """`count` micro-batches of this rank from the held-out "val" split (whatever split this
+        loader trains on), from its start, in order: the same held-out sequences at every
+        evaluation, rank r taking every W-th micro-batch (cycling when the split is short)."""
+        tokens = self.tokens if self.split_name == "val" else self.data.split("val")
+        num = len(tokens) // self.sample_len
+        if num == 0:
+            raise DataError(
+                f"the val split of {self.data.dir} holds {len(tokens)} tokens, fewer than one sequence of "
+                f"{self.sample_len}; raise data.val_fraction and prepare again, or shorten data.seq_len"
+            )
+        per_round = self.micro_batch * self.world_size
+        out = []
+        for b in range(count):
+            first = b * per_round + self.rank * self.micro_batch
+            out.append(self._batch(np.arange(first, first + self.micro_batch) % num, tokens))
+        return out
+
+    # -- resume -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "split": self.split_name,
+            "step": self.step,
+            "micro": self.micro,
+            "seed": self.seed,
+            "num_samples": self.num_samples,
+            "tokens_per_sample": self.sample_len,
+            "global_batch_size": self.global_batch,
+            "tokenizer_sha256": self.data.tokenizer_sha256,
+            # Only needed to resume in the middle of a step (any world size resumes between steps).
+            "micro_batch_size": self.micro_batch,
+            "world_size": self.world_size,
+            "rank": self.rank,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = self.state_dict()
+        for key in (
+            "version",
+            "split",
+            "seed",
+            "num_samples",
+            "tokens_per_sample",
+            "global_batch_size",
+            "tokenizer_sha256",
+        ):
+            if state.get(key) != mine[key]:
+                raise DataError(
+                    f"cannot resume the loader: its saved {key} is {state.get(key)!r}, "
+                    f"this run has {mine[key]!r}"
+                )
+        micro = int(state.get("micro", 0))
+        if micro:  # mid-step: only this rank's own cut of the step continues where it stopped
+            for key in ("micro_batch_size", "world_size", "rank"):
+                if state.get(key) != mine[key]:
+                    raise DataError(
+                        f"cannot resume the loader in the middle of step {state['step']} with another "
+                        f"{key} (saved {state.get(key)!r}, this run has {mine[key]!r}); resume from a "
+                        "checkpoint taken between steps"
+                    )
+        self.step, self.micro = int(state["step"]), micro

@@ -1,0 +1,537 @@
+"""lmsys-prepare: raw text → tokenizer.model + token shards + manifest.json in `data.dir`.
+
+    python -m lmsys.prepare                                  # default corpus, default model
+    python -m lmsys.prepare data.sources=[corpus/] data.dir=data/mine model=gpt2_124m
+
+Steps: resolve `data.sources` (empty: the default corpus, Python stdlib docstrings), train a
+SentencePiece BPE tokenizer of `model.vocab_size` pieces on a bounded random sample (or reuse
+`data.tokenizer`), encode every document on `data.num_workers` processes, append `eos` after
+each, send each document to the train or validation split, and write the splits as shards of
+at most `data.shard_tokens` tokens. Everything streams: documents go to the workers in batches
+of about 256 KB with a bounded number in flight, a long text file is read and encoded in pieces
+of about 4 MB (lmsys.corpus), and tokens go straight to the shard files, so memory does not
+grow with the corpus. The workers start before tokenizer training, which hides their start-up.
+
+Output format (FORMAT_VERSION 1), everything in `data.dir`:
+- `tokenizer.model`: the SentencePiece model the shards were encoded with;
+- `train_0000.bin`, `train_0001.bin`, ..., `val_0000.bin`, ...: raw little-endian uint16 token
+  ids (uint32 when the vocabulary has more than 65536 pieces), no header, memmap-able; a
+  split is the concatenation of its shards in order, a document may continue into the next
+  shard, every document ends with eos;
+- `manifest.json`: format version, tokenizer (file, sha256, vocab_size, special ids), dtype,
+  each shard (file, split, tokens), totals per split, the sources read (files with sizes, or
+  the default corpus and the Python version), the data config, the creation time, and the
+  `fingerprint` used to decide reuse.
+
+Split rule: document i (0-based, in corpus order) goes to validation when
+`splitmix64(i + seed * 0x9E3779B97F4A7C15) / 2**64 < val_fraction`; if that leaves a split
+without documents and there are at least two, the last document of the other split moves over.
+
+Safety: everything is written to a temporary directory next to `data.dir`, renamed into place
+only when complete (an old `data.dir` is replaced after that); on any error the temporary
+directory is removed. A `data.dir` whose manifest fingerprint matches this run (same sources
+with the same sizes and mtimes, vocabulary, tokenizer, seed, split and shard settings) and
+whose shards check out is reused as is, unless `data.overwrite=true`. A non-empty `data.dir`
+without a manifest.json is never replaced.
+
+Settings (Hydra overrides `key=value`; conf/data/default.yaml, lmsys/config.py DataConfig):
+  data.sources=[a.txt,dir/,'x/*.jsonl.gz']  inputs (empty: the default corpus)
+  data.dir=data/default                     where to write
+  model.vocab_size=N                        tokenizer size (data.vocab_size follows it)
+  data.tokenizer=path/tokenizer.model       reuse a tokenizer instead of training one
+  data.text_field=text                      the .jsonl field holding a document
+  data.val_fraction=0.05                    share of documents held out for validation
+  data.tokenizer_sample_bytes=20000000      bound on the tokenizer training sample
+  data.on_decode_error=error|skip           undecodable UTF-8: stop, or skip that document
+  data.num_workers=0                        encoding processes (0: all cores)
+  data.shard_tokens=50000000                tokens per shard file
+  data.seed=1234  data.overwrite=false
+
+Errors (bad config, bad data) print one line `lmsys-prepare: error: ...` on stderr and exit 2:
+a missing or empty input, undecodable bytes (file and byte offset), a `data.tokenizer` whose
+vocabulary is not `model.vocab_size`, a `data.dir` whose shards were made by another tokenizer,
+`data.seq_len` longer than the model's positions, an unknown key or bad value.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lmsys.config import Config, ConfigError, compose, config_to_dict
+from lmsys.corpus import Corpus, DataError, open_corpus
+from lmsys.tokenizer import EncoderPool, Tokenizer, file_sha256, train_tokenizer
+
+PROG = "lmsys-prepare"
+FORMAT = "lmsys-token-shards"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TOKENIZER_FILE = "tokenizer.model"
+SPLITS = ("train", "val")
+BATCH_BYTES = 1 << 18  # documents are sent to workers in batches of about this much text
+BATCH_DOCS = 1024
+
+
+# ----------------------------------------------------------------------------- manifest
+
+
+class TokenizerMismatch(DataError):
+    """The shards of a prepared directory were made by another tokenizer than the one beside them."""
+
+
+def read_manifest(directory: str | Path) -> dict[str, Any]:
+    """Load `directory/manifest.json` and check it against the files: every shard exists with
+    exactly `tokens * itemsize` bytes, per-split totals add up, and tokenizer.model has the
+    recorded sha256. Raises DataError naming the problem."""
+    d = Path(directory)
+    hint = f"run `{PROG} data.dir={directory}`"
+    redo = f"run `{PROG} data.dir={directory} data.overwrite=true`"
+    if not d.is_dir():
+        raise DataError(f"prepared data directory {directory} does not exist; {hint} first")
+    path = d / MANIFEST
+    if not path.is_file():
+        raise DataError(
+            f"{directory} has no {MANIFEST} (not prepared, or preparation did not finish); {hint}"
+        )
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        ok = manifest.get("format") == FORMAT
+    except (ValueError, AttributeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path} is not a valid manifest ({e}); {redo}") from e
+    if not ok:
+        raise DataError(f"{path} is not an {FORMAT} manifest; {redo}")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise DataError(
+            f"{path} has format version {manifest.get('version')}, this lmsys reads {FORMAT_VERSION}; {redo}"
+        )
+    try:
+        itemsize = np.dtype(manifest["dtype"]).itemsize
+        totals = {split: 0 for split in SPLITS}
+        for shard in manifest["shards"]:
+            file = d / shard["file"]
+            if not file.is_file():
+                raise DataError(f"shard {file} listed in {MANIFEST} is missing; {redo}")
+            size, expected = file.stat().st_size, int(shard["tokens"]) * itemsize
+            if size != expected:
+                raise DataError(
+                    f"corrupt shard {file}: {size} bytes, but {MANIFEST} says {shard['tokens']} tokens "
+                    f"({expected} bytes); {redo}"
+                )
+            totals[shard["split"]] += int(shard["tokens"])
+        for split in SPLITS:
+            if totals[split] != int(manifest["splits"][split]["tokens"]):
+                raise DataError(
+                    f"{path}: {split} shards hold {totals[split]} tokens but the total says "
+                    f"{manifest['splits'][split]['tokens']}; {redo}"
+                )
+        tok = manifest["tokenizer"]
+        tok_path = d / tok["file"]
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, DataError):
+            raise
+        raise DataError(f"{path} is incomplete or malformed ({type(e).__name__}: {e}); {redo}") from e
+    if not tok_path.is_file():
+        raise DataError(f"{tok_path} is missing; {redo}")
+    sha = file_sha256(tok_path)
+    if sha != tok["sha256"]:
+        raise TokenizerMismatch(
+            f"the shards in {directory} were made by another tokenizer: {MANIFEST} says sha256 "
+            f"{str(tok['sha256'])[:12]}, {tok_path.name} is {sha[:12]}; restore it or {redo}"
+        )
+    return manifest
+
+
+def _same(a: Any, b: Any) -> bool:
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+# ----------------------------------------------------------------------------- split and shards
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def validation_mask(indices: np.ndarray, seed: int, fraction: float) -> np.ndarray:
+    """True for the documents (by 0-based corpus index) that go to the validation split:
+    splitmix64 of the index offset by the seed, as a uniform number in [0, 1), below `fraction`."""
+    with np.errstate(over="ignore"):
+        x = indices.astype(np.uint64) + np.uint64((seed * 0x9E3779B97F4A7C15) & _MASK64)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    return (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)) < fraction
+
+
+class ShardWriter:
+    """Appends one split's tokens to `<split>_NNNN.bin` files of at most `shard_tokens` each."""
+
+    def __init__(self, directory: Path, split: str, dtype: np.dtype, shard_tokens: int):
+        self.directory, self.split, self.dtype, self.shard_tokens = directory, split, dtype, shard_tokens
+        self.shards: list[list[Any]] = []  # [file name, tokens]
+        self.documents = 0  # complete documents written
+        self.last_doc_tokens = 0  # tokens of the last complete document (for the split fix-up)
+        self._doc_tokens = 0  # tokens of the document being written so far
+        self._fh = None
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for _, n in self.shards)
+
+    def _open_next(self) -> None:
+        self._close_file()
+        name = f"{self.split}_{len(self.shards):04d}.bin"
+        self._fh = open(self.directory / name, "wb")
+        self.shards.append([name, 0])
+
+    def _close_file(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def write(self, tokens: np.ndarray) -> None:
+        tokens = np.ascontiguousarray(tokens, dtype=self.dtype.newbyteorder("<"))
+        pos = 0
+        while pos < len(tokens):
+            if self._fh is None or self.shards[-1][1] >= self.shard_tokens:
+                self._open_next()
+            take = min(len(tokens) - pos, self.shard_tokens - self.shards[-1][1])
+            assert self._fh is not None
+            self._fh.write(tokens[pos : pos + take].tobytes())
+            self.shards[-1][1] += take
+            pos += take
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, ends: np.ndarray) -> None:
+        """Write pieces of documents: `tokens` is their concatenation, `lengths[i]` and `ends[i]`
+        the token count of piece i and whether it ends its document (then its last token is eos)."""
+        self.write(tokens)
+        for n, end in zip(lengths.tolist(), ends.tolist()):
+            self._doc_tokens += n
+            if end:
+                self.documents += 1
+                self.last_doc_tokens, self._doc_tokens = self._doc_tokens, 0
+
+    def pop_tail(self, count: int) -> np.ndarray:
+        """Remove and return the last `count` tokens written (files are truncated, emptied
+        ones deleted); used to move one document to the other split."""
+        self._close_file()
+        parts: list[np.ndarray] = []
+        while count > 0:
+            name, n = self.shards[-1]
+            take = min(n, count)
+            path = self.directory / name
+            parts.append(
+                np.fromfile(path, dtype=self.dtype.newbyteorder("<"), offset=(n - take) * self.dtype.itemsize)
+            )
+            if take == n:
+                path.unlink()
+                self.shards.pop()
+            else:
+                os.truncate(path, (n - take) * self.dtype.itemsize)
+                self.shards[-1][1] = n - take
+            count -= take
+        return np.concatenate(parts[::-1]) if parts else np.empty(0, self.dtype)
+
+    def close(self) -> list[dict[str, Any]]:
+        self._close_file()
+        return [{"file": name, "split": self.split, "tokens": n} for name, n in self.shards]
+
+
+# ----------------------------------------------------------------------------- prepare
+
+
+def _say(message: str) -> None:
+    print(f"{PROG}: {message}", flush=True)
+
+
+def _fingerprint(cfg: Config, corpus: Corpus, given: Tokenizer | None) -> dict[str, Any]:
+    d = cfg.data
+    return {
+        "version": FORMAT_VERSION,
+        "sources": corpus.fingerprint(),
+        "vocab_size": d.vocab_size,
+        "tokenizer": {"sha256": given.sha256}
+        if given
+        else {"trained_on_sample_bytes": d.tokenizer_sample_bytes},
+        "seed": d.seed,
+        "val_fraction": d.val_fraction,
+        "shard_tokens": d.shard_tokens,
+    }
+
+
+def _batches(corpus: Corpus, sent: deque) -> Iterator[tuple[list[str], np.ndarray]]:
+    """`(texts, ends)`: the corpus's pieces in batches of about BATCH_BYTES, with `ends[i]` true
+    where piece i ends its document; `(characters, ends)` of each batch also goes to `sent`, for
+    the consumer of the (in-order) encoded results."""
+    batch: list[str] = []
+    ends: list[bool] = []
+    nchars = 0
+    for text, end in corpus.pieces():
+        batch.append(text)
+        ends.append(end)
+        nchars += len(text)
+        if nchars >= BATCH_BYTES or len(batch) >= BATCH_DOCS:
+            yield _sent(sent, batch, ends, nchars)
+            batch, ends, nchars = [], [], 0
+    if batch:
+        yield _sent(sent, batch, ends, nchars)
+
+
+def _sent(sent: deque, batch: list[str], ends: list[bool], nchars: int) -> tuple[list[str], np.ndarray]:
+    flags = np.array(ends, dtype=bool)  # (pieces,)
+    sent.append((nchars, flags))
+    return batch, flags
+
+
+def _progress(unit: str, desc: str):
+    from tqdm import tqdm
+
+    # disable=None: a live bar on a terminal; nothing in logs (a summary line is printed instead)
+    return tqdm(desc=desc, unit=unit, unit_scale=True, file=sys.stderr, disable=None, leave=False)
+
+
+def _encode_into(
+    tok: Tokenizer, corpus: Corpus, cfg: Config, tmp: Path, pool: EncoderPool
+) -> tuple[dict[str, ShardWriter], dict[str, Any]]:
+    d = cfg.data
+    writers = {s: ShardWriter(tmp, s, tok.dtype, d.shard_tokens) for s in SPLITS}
+    sent: deque = deque()  # (characters, ends) of the batches given to the pool, in order
+    next_doc = 0  # corpus index of the document the next piece belongs to
+    start, cpu_start, pool_cpu_start = time.perf_counter(), time.process_time(), pool.cpu_seconds
+    with _progress("B", "encoding") as bar:
+        for tokens, lengths in pool.encode(tok, _batches(corpus, sent)):
+            nchars, ends = sent.popleft()
+            doc = next_doc + np.cumsum(ends) - ends  # (pieces,) document index of each piece
+            next_doc += int(ends.sum())
+            is_val = validation_mask(doc, d.seed, d.val_fraction)  # (pieces,)
+            for split, flags in (("val", is_val), ("train", ~is_val)):
+                if flags.any():
+                    picked = tokens if flags.all() else tokens[np.repeat(flags, lengths)]
+                    writers[split].add(picked, lengths[flags], ends[flags])
+            bar.update(nchars)
+    seconds = time.perf_counter() - start
+    # At least one document in each split when there are two or more.
+    train, val = writers["train"], writers["val"]
+    for src, dst in ((train, val), (val, train)):
+        if dst.documents == 0 and src.documents >= 2:
+            moved = src.pop_tail(src.last_doc_tokens)
+            dst.add(moved, np.array([len(moved)]), np.array([True]))
+            src.documents -= 1
+    info = {
+        "seconds": round(seconds, 3),
+        "workers": pool.workers,
+        # CPU time of this process and of the workers' tasks during encoding, for the benchmark's
+        # parallel-efficiency figure (on a shared machine wall time alone says little).
+        "cpu_seconds": {
+            "main": round(time.process_time() - cpu_start, 3),
+            "workers": round(pool.cpu_seconds - pool_cpu_start, 3) if pool.workers > 1 else 0.0,
+        },
+    }
+    return writers, info
+
+
+def _manifest(
+    cfg: Config, corpus: Corpus, tok: Tokenizer, given: Tokenizer | None, writers: dict[str, ShardWriter]
+) -> dict[str, Any]:
+    shards = [s for split in SPLITS for s in writers[split].close()]
+    data_cfg = config_to_dict(cfg)["data"]
+    return {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "tokenizer": {
+            "file": TOKENIZER_FILE,
+            "sha256": tok.sha256,
+            "vocab_size": tok.vocab_size,
+            **tok.special_ids(),
+            "origin": str(given.path.resolve()) if given else "trained by lmsys-prepare",
+            "training": tok.training_info,
+        },
+        "dtype": tok.dtype.name,
+        "byteorder": "little",
+        "eos_after_every_document": True,
+        "shards": shards,
+        "splits": {
+            s: {
+                "tokens": writers[s].tokens,
+                "documents": writers[s].documents,
+                "shards": len(writers[s].shards),
+            }
+            for s in SPLITS
+        },
+        "split_rule": "splitmix64(i + seed * 0x9E3779B97F4A7C15) / 2**64 < val_fraction, "
+        "then at least one document per split",
+        "documents": corpus.stats.as_dict(),
+        "sources": corpus.describe(),
+        "config": {"data": data_cfg, "model": {"name": cfg.model.name, "vocab_size": cfg.model.vocab_size}},
+        "fingerprint": _fingerprint(cfg, corpus, given),
+    }
+
+
+def _check_destination(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise DataError(f"data.dir={out} exists and is not a directory")
+    if out.is_dir() and not (out / MANIFEST).is_file() and any(out.iterdir()):
+        raise DataError(
+            f"data.dir={out} exists, is not empty and has no {MANIFEST}; refusing to replace it "
+            "(choose another data.dir or remove it)"
+        )
+
+
+def _install(tmp: Path, out: Path) -> None:
+    """Rename the finished `tmp` to `out`; an old `out` is moved aside first, removed last."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+        os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        if old is not None:
+            os.rename(old, out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def prepare(cfg: Config) -> Path:
+    """Prepare (or reuse) `cfg.data.dir`; returns its path. Raises DataError on bad input."""
+    d = cfg.data
+    out = Path(d.dir).expanduser().resolve()
+    corpus = open_corpus(d.sources, text_field=d.text_field, on_decode_error=d.on_decode_error)
+    given = Tokenizer(Path(d.tokenizer).expanduser()) if d.tokenizer else None
+    if given is not None and given.vocab_size != cfg.model.vocab_size:
+        raise DataError(
+            f"data.tokenizer={d.tokenizer} has vocab_size {given.vocab_size} but model.vocab_size="
+            f"{cfg.model.vocab_size}; set model.vocab_size={given.vocab_size} or unset data.tokenizer "
+            "to train one"
+        )
+    fingerprint = _fingerprint(cfg, corpus, given)
+    if not d.overwrite and (out / MANIFEST).is_file():
+        try:
+            manifest = read_manifest(out)
+        except TokenizerMismatch:
+            raise  # someone put a tokenizer there: re-preparing would silently replace it
+        except DataError as e:
+            _say(f"{out} will be prepared again: {e}")
+        else:
+            if _same(manifest.get("fingerprint"), fingerprint):
+                s = manifest["splits"]
+                _say(
+                    f"reusing {out}: same sources, vocab_size {manifest['tokenizer']['vocab_size']}, "
+                    f"tokenizer sha256 {manifest['tokenizer']['sha256'][:12]}; "
+                    f"{s['train']['tokens']:,} train and {s['val']['tokens']:,} val tokens "
+                    "(data.overwrite=true prepares again)"
+                )
+                return out
+            made_by = str(manifest["tokenizer"]["sha256"])
+            if given is not None and given.sha256 != made_by:
+                raise DataError(
+                    f"data.dir={out} holds shards made by another tokenizer (sha256 {made_by[:12]}) than "
+                    f"data.tokenizer={d.tokenizer} (sha256 {given.sha256[:12]}); choose another data.dir "
+                    "or set data.overwrite=true to encode it again"
+                )
+            _say(f"{out} was prepared from other sources or settings; preparing again")
+    _check_destination(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp.mkdir()
+    pool: EncoderPool | None = None
+    try:
+        # The workers start now, so their start-up overlaps tokenizer training.
+        pool = EncoderPool(d.num_workers)
+        t0 = time.perf_counter()
+        if given is not None:
+            shutil.copyfile(given.path, tmp / TOKENIZER_FILE)
+            tok = Tokenizer(tmp / TOKENIZER_FILE)
+            _say(f"using tokenizer {given.path} (vocab_size {tok.vocab_size}, sha256 {tok.sha256[:12]})")
+        else:
+            _say(
+                f"training a {d.vocab_size}-piece BPE tokenizer on a sample of at most "
+                f"{d.tokenizer_sample_bytes:,} bytes"
+            )
+            tok = train_tokenizer(
+                corpus, d.vocab_size, tmp / TOKENIZER_FILE, d.tokenizer_sample_bytes, d.seed
+            )
+            info = tok.training_info or {}
+            _say(
+                f"tokenizer trained on {info.get('sample_bytes', 0):,} of {info.get('corpus_bytes', 0):,} "
+                f"bytes in {time.perf_counter() - t0:.1f} s (sha256 {tok.sha256[:12]})"
+            )
+        if tok.vocab_size != cfg.model.vocab_size:  # only a reused tokenizer can differ; checked above too
+            raise DataError(
+                f"tokenizer vocab_size {tok.vocab_size} != model.vocab_size={cfg.model.vocab_size}"
+            )
+        writers, enc = _encode_into(tok, corpus, cfg, tmp, pool)
+        pool.close()
+        manifest = _manifest(cfg, corpus, tok, given, writers)
+        manifest["encoding"] = enc
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        read_manifest(tmp)  # what the loader will check, before it replaces anything
+        _install(tmp, out)
+    except BaseException:
+        if pool is not None:
+            pool.close(ok=False)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    st, s = corpus.stats, manifest["splits"]
+    mb = st.text_bytes / 1e6
+    skipped = ""
+    if st.skipped_decode_error:
+        skipped = f", skipped {st.skipped_decode_error} with undecodable bytes (e.g. {st.skipped[0]})"
+    empty = f", dropped {st.empty} empty" if st.empty else ""
+    _say(
+        f"encoded {st.documents:,} documents ({mb:.1f} MB){empty}{skipped} in {enc['seconds']:.1f} s "
+        f"({mb / max(enc['seconds'], 1e-9):.1f} MB/s, {enc['workers']} workers)"
+    )
+    _say(
+        f"wrote {out}: {s['train']['tokens']:,} train tokens ({s['train']['documents']:,} documents, "
+        f"{s['train']['shards']} shards), {s['val']['tokens']:,} val tokens "
+        f"({s['val']['documents']:,} documents), "
+        f"{manifest['dtype']}, total {time.perf_counter() - t0:.1f} s"
+    )
+    return out
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m lmsys.prepare [hydra overrides]`; returns the exit status (0 or 2)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    try:
+        prepare(compose(argv))
+    except ConfigError as e:
+        bad = [a for a in argv if "=" not in a and not a.startswith("~")]
+        hint = f" (overrides are key=value, e.g. data.dir=data/mine; see {PROG} --help)" if bad else ""
+        print(f"{PROG}: error: {_one_line(e)}{hint}", file=sys.stderr)
+        return 2
+    except DataError as e:
+        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except OSError as e:  # disk full, permissions: still one line, nothing half-written left
+        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: error: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,437 @@
+"""SentencePiece BPE tokenizer: training on a bounded sample, exact round trips, parallel encoding.
+
+SPEC section 1: byte-pair encoding learned from the corpus, SentencePiece in BPE mode with
+`byte_fallback=True`, and reserved ids pad=0, bos=1, eos=2, unk=3 (eos separates documents).
+
+Training options are chosen so that `decode(encode(s)) == s` for every string `s`:
+- `normalization_rule_name="identity"`: no NFKC, so compatibility characters, combining marks
+  and full-width forms stay as they are;
+- `add_dummy_prefix=False`, `remove_extra_whitespaces=False`: leading, trailing and repeated
+  spaces are text like any other (`allow_whitespace_only_pieces` lets indentation merge);
+- `byte_fallback=True`: a character outside the vocabulary (an unseen script, an emoji, a
+  control character) becomes its UTF-8 bytes, never `unk`;
+- `split_digits=True`: numbers are spelled digit by digit, a common choice for small vocabularies;
+- `character_coverage=0.9995`; when the sample has more distinct characters than the vocabulary
+  can hold, only the most frequent ones (about half the free ids) are trained on and the rest
+  are spelled in bytes, so a small vocabulary trains on any text.
+Training runs on one thread: SentencePiece's multi-threaded BPE counting gives a different
+model for a different thread count, and the same seed and corpus must give the same file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import io
+import multiprocessing
+import os
+import random
+import re
+import sys
+import time
+from collections import Counter, deque
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import sentencepiece as spm
+
+from lmsys.corpus import Corpus, DataError, FileCorpus, SourceFile, split_for_training
+
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+RESERVED = 4 + 256  # the special pieces plus the 256 byte-fallback pieces
+# SentencePiece training "sentence" cap; longer text is cut (corpus.split_for_training)
+MAX_SENTENCE_BYTES = 8192
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned dtype holding ids `0..vocab_size-1` (uint16 up to 65536 pieces)."""
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class Tokenizer:
+    """A trained SentencePiece model file with lmsys's reserved ids.
+
+    `Tokenizer(path)` loads it and checks pad/bos/eos/unk are 0/1/2/3 (DataError otherwise).
+    `encode` never adds bos/eos; the packer appends `eos_id` after every document itself.
+    """
+
+    pad_id = PAD_ID
+    bos_id = BOS_ID
+    eos_id = EOS_ID
+    unk_id = UNK_ID
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise DataError(f"tokenizer {self.path} does not exist")
+        data = self.path.read_bytes()
+        self.sha256 = hashlib.sha256(data).hexdigest()
+        self._sp = spm.SentencePieceProcessor()
+        try:
+            self._sp.LoadFromSerializedProto(data)
+        except Exception as e:  # a truncated file or not a SentencePiece model at all
+            raise DataError(
+                f"tokenizer {self.path} is not a SentencePiece model ({str(e).splitlines()[0]})"
+            ) from e
+        ids = (self._sp.pad_id(), self._sp.bos_id(), self._sp.eos_id(), self._sp.unk_id())
+        if ids != (PAD_ID, BOS_ID, EOS_ID, UNK_ID):
+            raise DataError(
+                f"tokenizer {self.path} has pad/bos/eos/unk ids {ids}; lmsys needs "
+                f"{(PAD_ID, BOS_ID, EOS_ID, UNK_ID)} (train it with lmsys-prepare)"
+            )
+        self.vocab_size = int(self._sp.get_piece_size())
+        self.dtype = token_dtype(self.vocab_size)
+        self.training_info: dict[str, Any] | None = None  # set by train_tokenizer
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, sha256={self.sha256[:12]})"
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text, out_type=int)
+
+    def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
+        return self._sp.encode(list(texts), out_type=int, num_threads=num_threads)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`; pad/bos/eos decode to nothing, an invalid byte sequence to U+FFFD."""
+        if hasattr(ids, "tolist"):  # a tensor or an array
+            ids = ids.tolist()
+        return self._sp.decode([int(i) for i in ids])
+
+    def id_to_piece(self, i: int) -> str:
+        return self._sp.id_to_piece(int(i))
+
+    def special_ids(self) -> dict[str, int]:
+        return {"pad_id": PAD_ID, "bos_id": BOS_ID, "eos_id": EOS_ID, "unk_id": UNK_ID}
+
+    def encode_documents(
+        self, texts: list[str], ends: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Pack documents: `(tokens, lengths)` where tokens is every text's ids followed by
+        `eos_id`, concatenated, and lengths[i] counts text i's ids plus its eos. With `ends`
+        (bool, one per text), a text is a piece of a document and gets an eos only where
+        `ends[i]` (the document's last piece)."""
+        encoded = self._sp.encode(texts, out_type=int, num_threads=1)
+        eos = np.ones(len(texts), dtype=np.int64) if ends is None else np.asarray(ends, dtype=np.int64)
+        lengths = np.fromiter((len(ids) for ids in encoded), dtype=np.int64, count=len(encoded)) + eos
+        tokens = np.empty(int(lengths.sum()), dtype=self.dtype)
+        pos = 0
+        for ids, e in zip(encoded, eos):
+            n = len(ids)
+            tokens[pos : pos + n] = ids
+            if e:
+                tokens[pos + n] = EOS_ID
+            pos += n + int(e)
+        return tokens, lengths
+
+    def encode_parallel(
+        self, batches: Iterable[list[str]], num_workers: int = 0, in_flight: int | None = None
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """`encode_documents` over batches of documents, on `num_workers` processes (0: all
+        cores), yielding results in input order, with bounded memory (see EncoderPool)."""
+        with EncoderPool(num_workers) as pool:
+            yield from pool.encode(self, ((batch, None) for batch in batches), in_flight=in_flight)
+
+
+class EncoderPool:
+    """Processes that run `Tokenizer.encode_documents` on batches of text.
+
+    The pool is started before the tokenizer exists (lmsys-prepare starts it before training
+    the tokenizer, so the workers' start-up overlaps training); each task names the tokenizer
+    file, which a worker loads once. `encode` keeps at most `in_flight` batches (default 3 per
+    worker) queued or being encoded, so memory stays bounded whatever the number of batches,
+    and yields results in input order. With one worker it encodes in this process, no pool.
+
+    `cpu_seconds` adds up the CPU time the workers spent on tasks (tokenizer loading included,
+    start-up and idle waiting not), for reporting parallel efficiency.
+    """
+
+    def __init__(self, num_workers: int = 0):
+        self.workers = num_workers or os.cpu_count() or 1
+        self.cpu_seconds = 0.0
+        self._pool: Any = None
+        if self.workers > 1:
+            methods = multiprocessing.get_all_start_methods()
+            # forkserver, not fork: the parent may hold threads (tqdm, SentencePiece training).
+            ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+            if ctx.get_start_method() == "forkserver":
+                # Import once in the server, not once per worker (no effect if it already runs).
+                ctx.set_forkserver_preload(_preload_modules())
+            self._pool = ctx.Pool(self.workers)
+
+    def __enter__(self) -> EncoderPool:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        self.close(ok=exc_type is None)
+
+    def close(self, ok: bool = True) -> None:
+        if self._pool is not None:
+            if ok:
+                self._pool.close()
+            else:
+                self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+
+    def encode(
+        self,
+        tok: Tokenizer,
+        batches: Iterable[tuple[list[str], np.ndarray | None]],
+        in_flight: int | None = None,
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """`tok.encode_documents(texts, ends)` for each `(texts, ends)` batch, in order."""
+        if self._pool is None:
+            for texts, ends in batches:
+                start = time.process_time()
+                out = tok.encode_documents(texts, ends)
+                self.cpu_seconds += time.process_time() - start
+                yield out
+            return
+        in_flight = in_flight or 3 * self.workers
+        key = (str(tok.path.resolve()), tok.sha256)
+        pending: deque = deque()
+        for texts, ends in batches:
+            pending.append(self._pool.apply_async(_worker_encode, (key, texts, ends)))
+            if len(pending) >= in_flight:
+                yield self._result(pending.popleft())
+        while pending:
+            yield self._result(pending.popleft())
+
+    def _result(self, job: Any) -> tuple[np.ndarray, np.ndarray]:
+        tokens, lengths, cpu = job.get()
+        self.cpu_seconds += cpu
+        return tokens, lengths
+
+
+def _preload_modules() -> list[str]:
+    """What the workers import: this module, plus what an lmsys CLI run as the main module
+    imports (multiprocessing runs the main module again in each worker; preloading the main
+    module itself would make that second run warn)."""
+    names = [__name__]
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name.startswith("lmsys."):
+        names += sorted(
+            m
+            for m in sys.modules
+            if m.startswith("lmsys.") and m != spec.name and not m.startswith("lmsys.bench")
+        )
+    return names
+
+
+_WORKER_TOKENIZERS: dict[tuple[str, str], Tokenizer] = {}
+
+
+def _worker_encode(
+    key: tuple[str, str], texts: list[str], ends: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray, float]:
+    start = time.process_time()
+    tok = _WORKER_TOKENIZERS.get(key)
+    if tok is None:
+        tok = Tokenizer(key[0])
+        if tok.sha256 != key[1]:
+            raise DataError(f"tokenizer {key[0]} changed while encoding (sha256 {tok.sha256[:12]})")
+        _WORKER_TOKENIZERS.clear()  # one tokenizer at a time
+        _WORKER_TOKENIZERS[key] = tok
+    tokens, lengths = tok.encode_documents(texts, ends)
+    return tokens, lengths, time.process_time() - start
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _documents(texts_or_files: Corpus | Iterable[str | os.PathLike]) -> Iterator[str]:
+    """Texts to sample from: a corpus's pieces (bounded size), or the strings and files given."""
+    if isinstance(texts_or_files, Corpus):
+        for text, _ in texts_or_files.pieces():
+            yield text
+        return
+    for item in texts_or_files:
+        if isinstance(item, os.PathLike):
+            path = Path(item).resolve()
+            st = path.stat() if path.exists() else None
+            if st is None:
+                raise DataError(f"tokenizer training file {path} does not exist")
+            for text, _ in FileCorpus([SourceFile(path, st.st_size, st.st_mtime_ns)]).pieces():
+                yield text
+        else:
+            yield item
+
+
+def sample_sentences(
+    texts_or_files: Corpus | Iterable[str | os.PathLike],
+    sample_bytes: int,
+    seed: int,
+    max_sentence_bytes: int = MAX_SENTENCE_BYTES,
+) -> tuple[list[str], dict[str, int]]:
+    """A uniform random sample of training sentences (paragraph pieces) of at most
+    `sample_bytes` UTF-8 bytes in all, in corpus order, in one streaming pass.
+
+    Priority sampling: every piece draws a key from `random.Random(seed)`; the pieces with the
+    smallest keys are kept while they fit in the budget (a max-heap evicts the largest key).
+    Memory is bounded by the budget, and the sample is the same for the same corpus and seed.
+    """
+    rng = random.Random(seed)
+    heap: list[tuple[float, int, str]] = []  # (-key, index, piece)
+    kept = 0
+    seen_bytes = 0
+    index = 0
+    for doc in _documents(texts_or_files):
+        for piece in split_for_training(doc, max_sentence_bytes):
+            size = len(piece.encode("utf-8"))
+            seen_bytes += size
+            key = rng.random()
+            index += 1
+            if size > sample_bytes:
+                continue
+            if kept + size > sample_bytes and heap and -heap[0][0] < key:
+                continue  # larger key than everything kept, and no room: never enters
+            heapq.heappush(heap, (-key, index, piece))
+            kept += size
+            while kept > sample_bytes:
+                _, _, evicted = heapq.heappop(heap)
+                kept -= len(evicted.encode("utf-8"))
+    chosen = [piece for _, _, piece in sorted(heap, key=lambda item: item[1])]
+    info = {
+        "corpus_bytes": seen_bytes,
+        "corpus_sentences": index,
+        "sample_bytes": kept,
+        "sample_sentences": len(chosen),
+    }
+    return chosen, info
+
+
+_TOO_HIGH = re.compile(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)")
+_TOO_SMALL = re.compile(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)")
+
+
+def _training_error(exc: Exception, vocab_size: int, info: dict[str, int]) -> DataError:
+    message = str(exc)
+    where = f"the tokenizer sample ({info['sample_bytes']:,} bytes)"
+    if m := _TOO_HIGH.search(message):
+        return DataError(
+            f"vocab_size={vocab_size} is too large for {where}: it supports at most {m.group(2)}; "
+            "lower model.vocab_size or give more text"
+        )
+    if m := _TOO_SMALL.search(message):
+        need = int(m.group(2))
+        return DataError(
+            f"vocab_size={vocab_size} is too small for {where}: its {need - RESERVED} distinct characters "
+            f"plus {RESERVED} reserved pieces (4 special, 256 bytes) need at least {need}; "
+            "raise model.vocab_size"
+        )
+    if "sentences_.empty()" in message:
+        return DataError("no text to train the tokenizer on")
+    first = message.strip().splitlines()[0] if message.strip() else type(exc).__name__
+    return DataError(f"SentencePiece training failed: {first}")
+
+
+def train_tokenizer(
+    texts_or_files: Corpus | Iterable[str | os.PathLike],
+    vocab_size: int,
+    out_path: str | Path,
+    sample_bytes: int = 20_000_000,
+    seed: int = 1234,
+    character_coverage: float = 0.9995,
+) -> Tokenizer:
+    """Train a BPE tokenizer of exactly `vocab_size` pieces and write it to `out_path`.
+
+    `texts_or_files`: a Corpus, or an iterable of document strings and/or paths
+    (`pathlib.Path`, read like a `data.sources` file). Training uses a random sample of at
+    most `sample_bytes` of text (`sample_sentences`), so a corpus of any size trains in
+    bounded time and memory. Deterministic: the same corpus and seed give the same file.
+    The model file is written to a temporary name next to `out_path`, then renamed.
+    Raises DataError (one line) when the corpus cannot support `vocab_size`.
+    """
+    if vocab_size <= RESERVED:
+        raise DataError(
+            f"vocab_size={vocab_size} is too small: {RESERVED} ids are reserved (4 special, 256 bytes); "
+            "raise model.vocab_size"
+        )
+    if sample_bytes < 1:
+        raise DataError(f"tokenizer sample_bytes={sample_bytes} must be >= 1")
+    sentences, info = sample_sentences(texts_or_files, sample_bytes, seed)
+    if not sentences:
+        raise DataError("no text to train the tokenizer on")
+    rare = 0
+    try:
+        model = _train_bpe(sentences, vocab_size, character_coverage, seed)
+    except RuntimeError as e:
+        if not _TOO_SMALL.search(str(e)):
+            raise _training_error(e, vocab_size, info) from e
+        # More distinct characters than the vocabulary holds (a small vocabulary, a multilingual
+        # corpus): the most frequent ones may fill about half the free ids, the others are taken
+        # out of the training sample, so they get no piece and byte_fallback spells them.
+        # Lossless: every string still round-trips.
+        sentences, rare = _drop_rare_characters(sentences, (vocab_size - RESERVED) // 2)
+        try:
+            model = _train_bpe(sentences, vocab_size, character_coverage, seed)
+        except RuntimeError as e2:
+            raise _training_error(e2, vocab_size, info) from e2
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(model.getvalue())
+        os.replace(tmp, out_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    tok = Tokenizer(out_path)
+    tok.training_info = {
+        **info,
+        "seed": seed,
+        "character_coverage": character_coverage,
+        "rare_characters_left_to_bytes": rare,
+    }
+    return tok
+
+
+def _drop_rare_characters(sentences: list[str], keep: int) -> tuple[list[str], int]:
+    """The sentences without the characters outside the `keep` most frequent ones (ties by code
+    point, for determinism); and how many distinct characters were dropped."""
+    counts: Counter[str] = Counter()
+    for text in sentences:
+        counts.update(text)
+    ranked = sorted(counts, key=lambda c: (-counts[c], c))
+    table = dict.fromkeys(map(ord, ranked[keep:]))  # ord -> None: delete
+    kept = [t for t in (text.translate(table) for text in sentences) if t]
+    return kept, len(ranked) - min(keep, len(ranked))
+
+
+def _train_bpe(sentences: list[str], vocab_size: int, character_coverage: float, seed: int) -> io.BytesIO:
+    spm.set_random_generator_seed(seed)
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences),
+        model_writer=model,
+        model_type="bpe",
+        vocab_size=vocab_size,
+        character_coverage=character_coverage,
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        add_dummy_prefix=False,
+        remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True,
+        split_digits=True,
+        max_sentence_length=MAX_SENTENCE_BYTES,
+        input_sentence_size=0,  # the sample is already bounded; take all of it
+        shuffle_input_sentence=False,
+        pad_id=PAD_ID,
+        bos_id=BOS_ID,
+        eos_id=EOS_ID,
+        unk_id=UNK_ID,
+        hard_vocab_limit=True,
+        num_threads=1,
+        minloglevel=2,
+    )
+    return model

@@ -1,0 +1,149 @@
+"""Every bad input through the real CLI: exit code 2, one line on stderr naming the problem, and
+nothing half-written (no temporary directory, an existing data.dir untouched)."""
+
+from __future__ import annotations
+
+import gzip
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.data.conftest import VOCAB, base_overrides, run_prepare, synthetic_text
+
+
+def assert_one_line_error(proc, *fragments: str) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    line = lines[0]
+    assert line.startswith("lmsys-prepare: error: "), line
+    for fragment in fragments:
+        assert fragment in line, (fragment, line)
+    return line
+
+
+def assert_nothing_left(parent: Path, keep: set[str] = frozenset()) -> None:
+    left = {p.name for p in parent.iterdir()} - set(keep)
+    assert not left, left
+
+
+@pytest.fixture
+def out_root(tmp_path) -> Path:
+    root = tmp_path / "outputs"
+    root.mkdir()
+    return root
+
+
+def _bad_corpus(tmp_path: Path) -> tuple[Path, int]:
+    """A directory whose second file has an invalid byte at a known offset."""
+    src = tmp_path / "bad_src"
+    src.mkdir()
+    (src / "a.txt").write_text(synthetic_text(random.Random(0), 60))
+    head = "fine text ✓ ".encode() * 7
+    with gzip.open(src / "b.txt.gz", "wb") as fh:
+        fh.write(head + b"\x80 after" + b" more" * 40)
+    return src, len(head)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["missing", "empty_dir", "whitespace_file", "empty_jsonl", "bad_glob"],
+)
+def test_missing_or_empty_inputs(tmp_path, out_root, case):
+    src = tmp_path / "src"
+    src.mkdir()
+    entry, fragments = {
+        "missing": (tmp_path / "nope.txt", ["nope.txt does not exist"]),
+        "empty_dir": (src, ["has no .txt, .md, .jsonl"]),
+        "whitespace_file": (src / "blank.txt", ["no documents in", "blank.txt", "1 empty"]),
+        "empty_jsonl": (src / "none.jsonl", ["no documents in", "none.jsonl"]),
+        "bad_glob": (src / "*.txt", ["matched no files"]),
+    }[case]
+    (src / "blank.txt").write_text("  \n\n") if case == "whitespace_file" else None
+    (src / "none.jsonl").write_text("\n\n") if case == "empty_jsonl" else None
+    proc = run_prepare(f"data.sources=[{entry}]", f"data.dir={out_root / 'out'}", cwd=tmp_path)
+    assert_one_line_error(proc, *fragments)
+    assert_nothing_left(out_root)
+
+
+def test_undecodable_bytes_error_and_skip(tmp_path, out_root):
+    src, offset = _bad_corpus(tmp_path)
+    out = out_root / "out"
+    common = [f"data.sources=[{src}]", f"data.dir={out}", "model.vocab_size=300", "data.num_workers=1"]
+    proc = run_prepare(*common, cwd=tmp_path)
+    assert_one_line_error(
+        proc, "b.txt.gz", f"undecodable UTF-8 at byte offset {offset} ", "on_decode_error=skip"
+    )
+    assert_nothing_left(out_root)
+    proc = run_prepare(*common, "data.on_decode_error=skip", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "skipped 1 with undecodable bytes" in proc.stdout and "b.txt.gz@" in proc.stdout
+    assert_nothing_left(out_root, keep={"out"})
+
+
+def test_failed_overwrite_leaves_existing_data(prepared, tmp_path):
+    """An error found in the middle of a pass (after the temporary directory exists) removes it
+    and leaves the data.dir that was there as it was."""
+    out = tmp_path / "outputs" / "prepared"
+    shutil.copytree(prepared, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    src, _ = _bad_corpus(tmp_path)
+    proc = run_prepare(
+        f"data.sources=[{src}]", f"data.dir={out}", "model.vocab_size=300", "data.overwrite=true"
+    )
+    assert_one_line_error(proc, "undecodable UTF-8")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert_nothing_left(out.parent, keep={"prepared"})
+
+
+def test_tokenizer_vocabulary_disagrees_with_model(prepared, tmp_path, out_root, corpus_dir):
+    proc = run_prepare(
+        f"data.sources=[{corpus_dir}]", f"data.dir={out_root / 'out'}",
+        f"data.tokenizer={prepared / 'tokenizer.model'}", "model.vocab_size=512", cwd=tmp_path,
+    )  # fmt: skip
+    assert_one_line_error(
+        proc, f"has vocab_size {VOCAB} but model.vocab_size=512", f"model.vocab_size={VOCAB}"
+    )
+    assert_nothing_left(out_root)
+
+
+def test_shards_made_by_another_tokenizer(prepared, corpus_dir, other_tokenizer, tmp_path):
+    out = tmp_path / "outputs" / "prepared"
+    shutil.copytree(prepared, out)
+    # 1. data.tokenizer names another tokenizer than the one data.dir's shards were made with
+    proc = run_prepare(*base_overrides(corpus_dir, out), f"data.tokenizer={other_tokenizer}", cwd=tmp_path)
+    assert_one_line_error(proc, "holds shards made by another tokenizer", "data.overwrite=true")
+    # 2. someone replaced tokenizer.model beside the shards
+    shutil.copyfile(other_tokenizer, out / "tokenizer.model")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    proc = run_prepare(*base_overrides(corpus_dir, out), cwd=tmp_path)
+    assert_one_line_error(proc, "were made by another tokenizer", "manifest.json says sha256")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # not silently re-prepared
+    assert_nothing_left(out.parent, keep={"prepared"})
+
+
+@pytest.mark.parametrize(
+    "overrides, fragments",
+    [
+        (
+            ["data.seq_len=4096"],
+            ["data.seq_len=4096 is longer than the model's positions", "model.max_seq_len="],
+        ),
+        (["data.bogus=1"], ["data.bogus"]),
+        (["data.val_fraction=2"], ["data.val_fraction=2.0 must be in (0, 1)"]),
+        (["data.on_decode_error=ignore"], ["data.on_decode_error='ignore' is not valid", "error, skip"]),
+        (["data.sources"], ["overrides are key=value"]),
+    ],
+    ids=["context_too_long", "unknown_key", "bad_fraction", "bad_choice", "not_key_value"],
+)
+def test_bad_config(tmp_path, out_root, overrides, fragments):
+    proc = run_prepare(f"data.dir={out_root / 'out'}", *overrides, cwd=tmp_path)
+    assert_one_line_error(proc, *fragments)
+    assert_nothing_left(out_root)
+
+
+def test_help(tmp_path):
+    proc = run_prepare("--help", cwd=tmp_path)
+    assert proc.returncode == 0 and "data.sources" in proc.stdout and "data.on_decode_error" in proc.stdout

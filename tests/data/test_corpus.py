@@ -1,0 +1,169 @@
+"""Reading sources: files, directories, globs, gzip, jsonl; streaming of long files; bad bytes."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from lmsys.corpus import DataError, DefaultCorpus, FileCorpus, default_corpus, resolve_sources
+from tests.data.conftest import UNICODE_SAMPLES
+
+
+def test_resolve_sources_kinds_and_order(corpus_dir):
+    files = [f.path for f in resolve_sources([str(corpus_dir)])]
+    names = [p.name for p in files]
+    assert ".hidden.txt" not in names and "ignored.csv" not in names
+    assert {"book.txt.gz", "records.jsonl", "packed.jsonl.gz", "notes.md"} <= set(names)
+    assert files == sorted(files)  # a directory is read in path order
+    assert all(f.is_absolute() for f in files)
+    # a glob, a file and the same file again (read once), in the order given
+    picked = resolve_sources(
+        [str(corpus_dir / "nested" / "**" / "*.md"), str(corpus_dir / "records.jsonl")] * 2
+    )
+    assert [f.path.name for f in picked] == ["notes.md", "records.jsonl"]
+    assert picked[1].size == (corpus_dir / "records.jsonl").stat().st_size
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ("missing_dir", "does not exist"),
+        ("empty_dir", "has no .txt, .md, .jsonl"),
+        ("*.nothing", "matched no files"),
+        ("table.csv", "not a supported file type"),
+    ],
+)
+def test_resolve_sources_errors(tmp_path, entry, message):
+    (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "table.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match=message):
+        resolve_sources([str(tmp_path / entry)])
+
+
+def test_documents_from_every_format(tmp_path):
+    (tmp_path / "a.txt").write_text("\ufeffplain text with a BOM", encoding="utf-8")
+    (tmp_path / "b.md").write_text("# markdown\n", encoding="utf-8")
+    (tmp_path / "c.jsonl").write_text(
+        json.dumps({"body": "first"})
+        + "\n\n"
+        + json.dumps({"body": "  "})
+        + "\n"
+        + json.dumps({"body": "ü"})
+        + "\n"
+    )
+    with gzip.open(tmp_path / "d.txt.gz", "wt", encoding="utf-8") as fh:
+        fh.write("compressed 日本")
+    (tmp_path / "e.txt").write_text("   \n\n")  # whitespace only: dropped, counted
+    corpus = FileCorpus.from_sources([str(tmp_path)], text_field="body")
+    docs = list(corpus.documents())
+    assert docs == ["plain text with a BOM", "# markdown\n", "first", "ü", "compressed 日本"]
+    assert corpus.stats.documents == 5 and corpus.stats.empty == 2
+    assert corpus.stats.text_bytes == sum(len(d.encode()) for d in docs)
+
+
+def test_jsonl_field_errors(tmp_path):
+    (tmp_path / "x.jsonl").write_text(json.dumps({"content": "a"}) + "\n")
+    with pytest.raises(
+        DataError, match=r"x.jsonl:1: no field 'text' \(set data.text_field; fields here: content\)"
+    ):
+        list(FileCorpus.from_sources([str(tmp_path / "x.jsonl")]).documents())
+    (tmp_path / "y.jsonl").write_text('{"text": "ok"}\n{"text": broken\n')
+    with pytest.raises(DataError, match=r"y.jsonl:2: invalid JSON"):
+        list(FileCorpus.from_sources([str(tmp_path / "y.jsonl")]).documents())
+
+
+def test_empty_corpus(tmp_path):
+    (tmp_path / "blank.txt").write_text("\n \n")
+    with pytest.raises(DataError, match=r"no documents in .*blank.txt \(1 empty\)"):
+        list(FileCorpus.from_sources([str(tmp_path / "blank.txt")]).documents())
+
+
+@pytest.mark.parametrize("compressed", [False, True], ids=["txt", "gz"])
+def test_undecodable_offset(tmp_path, compressed):
+    good = "ok ✓ ".encode() * 10
+    raw = good + b"\xff\xfe" + b" more"
+    path = tmp_path / ("bad.txt.gz" if compressed else "bad.txt")
+    path.write_bytes(gzip.compress(raw) if compressed else raw)
+    with pytest.raises(
+        DataError, match=rf"bad.txt(.gz)?: undecodable UTF-8 at byte offset {len(good)}\b"
+    ) as err:
+        list(FileCorpus.from_sources([str(path)]).documents())
+    assert "on_decode_error=skip" in str(err.value)
+    (tmp_path / "fine.txt").write_text("fine")
+    corpus = FileCorpus.from_sources([str(tmp_path)], on_decode_error="skip")
+    assert list(corpus.documents()) == ["fine"]
+    assert corpus.stats.skipped_decode_error == 1 and str(path) in corpus.stats.skipped[0]
+
+
+def test_undecodable_in_jsonl_line(tmp_path):
+    first = (json.dumps({"text": "line one"}) + "\n").encode()
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(first + b'{"text": "caf\xe9"}\n' + first)
+    with pytest.raises(DataError, match=rf"x.jsonl:2: undecodable UTF-8 at byte offset {len(first) + 13}\b"):
+        list(FileCorpus.from_sources([str(path)]).documents())
+    corpus = FileCorpus.from_sources([str(path)], on_decode_error="skip")
+    assert list(corpus.documents()) == ["line one", "line one"] and corpus.stats.skipped_decode_error == 1
+
+
+def _long_text() -> str:
+    paragraphs = []
+    for i in range(300):
+        # multi-byte characters everywhere, so reads split characters at random byte positions
+        paragraphs.append(f"Paragraph {i}: " + UNICODE_SAMPLES[i % 8] + " word" * (i % 17) + "\n")
+    return "\ufeff" + "\n".join(paragraphs) + "no final newline"
+
+
+@pytest.mark.parametrize("compressed", [False, True], ids=["txt", "gz"])
+def test_long_file_streams_in_pieces(tmp_path, compressed):
+    text = _long_text()
+    path = tmp_path / ("long.txt.gz" if compressed else "long.txt")
+    path.write_bytes(gzip.compress(text.encode()) if compressed else text.encode())
+    (tmp_path / "short.txt").write_text("short one")
+    piece_bytes = 2000
+    corpus = FileCorpus.from_sources([str(path), str(tmp_path / "short.txt")], piece_bytes=piece_bytes)
+    pieces = list(corpus.pieces())
+    long_pieces = pieces[:-1]
+    assert len(long_pieces) > 10
+    assert "".join(p for p, _ in long_pieces) == text[1:]  # exact, BOM dropped
+    assert [end for _, end in pieces] == [False] * (len(long_pieces) - 1) + [True, True]
+    assert all(0 < len(p.encode()) <= 2 * piece_bytes for p, _ in long_pieces)
+    assert sum(p.endswith("\n") for p, _ in long_pieces[:-1]) >= len(long_pieces) - 2  # cut at line ends
+    assert corpus.stats.documents == 2
+    assert list(corpus.documents()) == [text[1:], "short one"]
+
+
+def test_long_file_undecodable(tmp_path):
+    text = _long_text()[1:].encode()
+    cut = len(text) * 2 // 3
+    cut -= next(i for i in range(4) if (text[cut - i] & 0xC0) != 0x80)  # at a character start
+    path = tmp_path / "long.txt"
+    path.write_bytes(text[:cut] + b"\xc3\x28" + text[cut:])  # invalid continuation byte
+    with pytest.raises(DataError, match=rf"long.txt: undecodable UTF-8 at byte offset {cut}\b"):
+        list(FileCorpus.from_sources([str(path)], piece_bytes=1000).pieces())
+    # skip: the whole document goes, none of its pieces is yielded
+    (tmp_path / "ok.txt").write_text("kept")
+    corpus = FileCorpus.from_sources([str(tmp_path)], piece_bytes=1000, on_decode_error="skip")
+    assert list(corpus.pieces()) == [("kept", True)]
+    assert corpus.stats.skipped_decode_error == 1
+
+
+def test_default_corpus_is_deterministic():
+    full = default_corpus()  # describing it reads no file; parsing all of it is left to lmsys-prepare
+    assert full.describe()["kind"] == "default" and len(full.files) > 300
+    assert full.fingerprint() == default_corpus().fingerprint()
+    root = Path(sysconfig.get_paths()["stdlib"]) / "json"  # a small part of it, parsed twice
+    a, b = DefaultCorpus(root), DefaultCorpus(root)
+    docs = list(a.documents())
+    assert len(docs) >= 3 and docs == list(b.documents())
+    assert all(d.startswith("Module ") for d in docs) and "JSON" in docs[0]
+    assert a.stats.documents == len(docs) and a.stats.text_bytes == sum(len(d.encode()) for d in docs)
+
+
+def test_stats_paths_are_strings(corpus_dir):
+    described = FileCorpus.from_sources([str(corpus_dir)]).describe()
+    json.dumps(described)  # goes into manifest.json
+    assert all(Path(f["path"]).is_file() and f["bytes"] > 0 for f in described["files"])

@@ -1,0 +1,185 @@
+"""The training loader: rank split without overlap, full coverage per epoch, determinism, exact
+resume, validation from the held-out split, and loss weights across document boundaries."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from lmsys.corpus import DataError
+from lmsys.data import Batch, PreparedData, TokenLoader
+from lmsys.tokenizer import EOS_ID
+
+S = 33  # tokens per sample (seq_len 32 + 1)
+G = 6  # global batch in sequences: divisible by world sizes 1, 2, 3
+
+
+@pytest.fixture(scope="module")
+def data(prepared) -> PreparedData:
+    return PreparedData(prepared)
+
+
+def loader(data, world: int = 1, rank: int = 0, micro: int | None = None, seed: int = 0, **kw) -> TokenLoader:
+    micro = micro or G // world
+    return TokenLoader(
+        data, "train", tokens_per_sample=S, global_batch_size=G, micro_batch_size=micro,
+        rank=rank, world_size=world, seed=seed, **kw,
+    )  # fmt: skip
+
+
+def rows(batch: Batch) -> list[bytes]:
+    return [r.numpy().tobytes() for r in batch.tokens]
+
+
+def all_samples(data, split: str = "train") -> Counter:
+    tokens = data.split(split)
+    n = len(tokens) // S
+    return Counter(tokens.read(i * S, S).astype(np.int64).tobytes() for i in range(n))
+
+
+def global_steps(
+    data, world: int, steps: int, micro: int | None = None, seed: int = 0
+) -> list[list[list[bytes]]]:
+    """[step][rank] -> that rank's rows of the step, in order."""
+    loaders = [loader(data, world, r, micro, seed) for r in range(world)]
+    out = []
+    for _ in range(steps):
+        out.append(
+            [
+                [row for _ in range(lo.micro_batches_per_step) for row in rows(lo.next_batch())]
+                for lo in loaders
+            ]
+        )
+    return out
+
+
+def test_batch_shape_and_dtype(data):
+    b = loader(data, micro=2).next_batch()
+    assert b.tokens.shape == b.weights.shape == (2, S)
+    assert b.tokens.dtype == torch.int64 and b.weights.dtype == torch.float32
+    assert int(b.tokens.max()) < data.vocab_size and torch.all(b.weights == 1)
+
+
+@pytest.mark.parametrize("world, micro", [(1, 3), (2, 1), (3, 2)])
+def test_ranks_disjoint_and_full_coverage_per_epoch(data, world, micro):
+    samples = all_samples(data)
+    n = sum(samples.values())
+    steps = -(-n // G) + 1  # one epoch and a bit of the next
+    per_step = global_steps(data, world, steps, micro)
+    reference = global_steps(data, 1, steps)  # the 1-process order
+    stream = []
+    for step, ranks in enumerate(per_step):
+        assert all(len(r) == G // world for r in ranks)
+        flat = [row for r in ranks for row in r]
+        assert flat == [row for r in reference[step] for row in r]  # independent of world size
+        stream += flat
+    epoch = Counter(stream[:n])
+    assert epoch == samples  # every sample exactly once in the first epoch
+    for step in range(n // G):  # inside the epoch no sample is shared by two ranks of a step
+        seen = [Counter(r) for r in per_step[step]]
+        assert sum(seen, Counter()) == Counter(row for r in per_step[step] for row in r)
+        assert all(not (seen[i] & seen[j]) for i in range(world) for j in range(i + 1, world))
+    assert stream[n : n + G] != stream[:G]  # the next epoch is another permutation
+
+
+def test_deterministic_per_seed(data):
+    a = global_steps(data, 1, 5, seed=3)
+    assert a == global_steps(data, 1, 5, seed=3)
+    assert a != global_steps(data, 1, 5, seed=4)
+
+
+@pytest.mark.parametrize("stop", [6, 7], ids=["between_steps", "mid_step"])
+def test_resume_yields_the_same_batches(data, stop):
+    """Rank 1 of 2, 3 micro-batches per step: stop after `stop`, restore into a fresh loader."""
+    straight = loader(data, world=2, rank=1, micro=1)
+    expected = [straight.next_batch() for _ in range(20)]
+    first = loader(data, world=2, rank=1, micro=1)
+    for _ in range(stop):
+        first.next_batch()
+    state = json.loads(json.dumps(first.state_dict()))  # plain data, as stored in a checkpoint
+    resumed = loader(data, world=2, rank=1, micro=1)
+    resumed.load_state_dict(state)
+    for want in expected[stop:]:
+        got = resumed.next_batch()
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.weights, want.weights)
+
+
+def test_resume_between_steps_on_another_world_size(data):
+    one = loader(data, world=1)
+    for _ in range(4):
+        one.next_batch()
+    state = one.state_dict()
+    expected = [rows(one.next_batch()) for _ in range(3)]
+    three = [loader(data, world=3, rank=r) for r in range(3)]
+    for lo in three:
+        lo.load_state_dict(state)
+    for want in expected:
+        assert [row for lo in three for row in rows(lo.next_batch())] == want
+
+
+def test_resume_refuses_mismatches(data):
+    lo = loader(data, world=2, rank=0, micro=1)
+    lo.next_batch()  # mid-step
+    state = lo.state_dict()
+    with pytest.raises(DataError, match="in the middle of step 0 with another world_size"):
+        loader(data, world=3, rank=0, micro=1).load_state_dict(state)
+    with pytest.raises(DataError, match="its saved seed is 0, this run has 5"):
+        loader(data, world=2, rank=0, micro=1, seed=5).load_state_dict(state)
+    other = TokenLoader(
+        data, "train", tokens_per_sample=S + 1, global_batch_size=G, micro_batch_size=1, world_size=2
+    )
+    with pytest.raises(DataError, match="its saved num_samples is"):
+        other.load_state_dict(state)
+
+
+def test_val_batches_come_from_the_held_out_split(data):
+    val = all_samples(data, "val")
+    train = all_samples(data, "train")
+    ranks = [loader(data, world=2, rank=r, micro=3) for r in range(2)]
+    for lo in ranks:
+        lo.next_batch()  # training progress does not move the validation batches
+    batches = [lo.val_batches(3) for lo in ranks]
+    got = [[row for b in bs for row in rows(b)] for bs in batches]
+    assert all(row in val and row not in train for r in got for row in r)
+    assert not set(got[0]) & set(got[1])  # ranks evaluate different sequences
+    again = [row for b in ranks[0].val_batches(3) for row in rows(b)]
+    assert again == got[0]  # the same sequences at every evaluation
+
+
+def test_mask_doc_boundaries_weights(data):
+    plain = loader(data, micro=6)
+    masked = loader(data, micro=6, mask_doc_boundaries=True)
+    zeros = 0
+    for _ in range(30):
+        a, b = plain.next_batch(), masked.next_batch()
+        assert torch.equal(a.tokens, b.tokens) and torch.all(a.weights == 1)
+        after_eos = torch.zeros_like(b.tokens, dtype=torch.bool)  # (B, S)
+        after_eos[:, 1:] = b.tokens[:, :-1] == EOS_ID
+        # weight 0 exactly for predicting a document's first token from the previous one's eos
+        assert torch.equal(b.weights, (~after_eos).float())
+        zeros += int(after_eos.sum())
+    assert zeros > 0  # documents are short enough that boundaries occur
+
+
+def test_split_shorter_than_a_sample(data):
+    n_val = len(data.split("val"))
+    with pytest.raises(DataError, match="fewer than one sequence"):
+        TokenLoader(data, "val", tokens_per_sample=n_val + 1, global_batch_size=1, micro_batch_size=1)
+    lo = TokenLoader(data, "train", tokens_per_sample=n_val + 1, global_batch_size=1, micro_batch_size=1)
+    with pytest.raises(DataError, match="the val split .* raise data.val_fraction"):
+        lo.val_batches(1)
+
+
+def test_batch_arguments_are_checked(data):
+    with pytest.raises(ValueError, match="does not split into micro-batches"):
+        TokenLoader(data, "train", tokens_per_sample=S, global_batch_size=6, micro_batch_size=4)
+    with pytest.raises(ValueError, match="rank 2 is outside world size 2"):
+        TokenLoader(
+            data, "train", tokens_per_sample=S, global_batch_size=6, micro_batch_size=1, rank=2, world_size=2
+        )
+    with pytest.raises(DataError, match="has no split 'test'"):
+        data.split("test")

@@ -1,0 +1,141 @@
+"""lmsys-prepare's output: manifest integrity, an exact round trip of the whole corpus through the
+shards, reuse, and detection of shards that do not match their manifest or tokenizer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import lmsys.corpus
+from lmsys.config import compose
+from lmsys.corpus import DataError, FileCorpus
+from lmsys.data import PreparedData
+from lmsys.prepare import MANIFEST, TokenizerMismatch, prepare, read_manifest, validation_mask
+from lmsys.tokenizer import EOS_ID, Tokenizer, file_sha256
+from tests.data.conftest import SHARD_TOKENS, VOCAB, base_overrides, run_prepare
+
+
+def split_documents(data: PreparedData, split: str) -> list[np.ndarray]:
+    tokens = data.split(split)
+    ids = tokens.read(0, len(tokens)).astype(np.int64)
+    assert ids[-1] == EOS_ID  # every document ends with eos
+    ends = np.flatnonzero(ids == EOS_ID)
+    return np.split(ids, ends[:-1] + 1)
+
+
+def test_manifest_describes_the_files(prepared, corpus_dir):
+    m = read_manifest(prepared)
+    tok = m["tokenizer"]
+    assert tok["vocab_size"] == VOCAB and tok["sha256"] == file_sha256(prepared / "tokenizer.model")
+    assert (tok["pad_id"], tok["bos_id"], tok["eos_id"], tok["unk_id"]) == (0, 1, 2, 3)
+    assert m["dtype"] == "uint16" and m["byteorder"] == "little"
+    # shard files: exactly the listed ones, sizes match token counts, totals add up
+    listed = {s["file"] for s in m["shards"]}
+    assert listed == {p.name for p in prepared.glob("*.bin")}
+    for s in m["shards"]:
+        assert (prepared / s["file"]).stat().st_size == 2 * s["tokens"] and 0 < s["tokens"] <= SHARD_TOKENS
+    for split in ("train", "val"):
+        assert m["splits"][split]["tokens"] == sum(s["tokens"] for s in m["shards"] if s["split"] == split)
+        assert m["splits"][split]["documents"] > 0
+    assert m["splits"]["train"]["shards"] >= 2  # small shard_tokens: the split spans several files
+    # sources: every file read, with its size
+    files = {Path(f["path"]).name: f["bytes"] for f in m["sources"]["files"]}
+    assert files["book.txt.gz"] == (corpus_dir / "book.txt.gz").stat().st_size
+    assert ".hidden.txt" not in files and len(files) == 16
+    assert m["documents"]["documents"] == m["splits"]["train"]["documents"] + m["splits"]["val"]["documents"]
+    assert m["config"]["data"]["val_fraction"] == 0.2
+    assert not list(prepared.parent.glob(".prepared.*"))  # no temporary or old directory left
+
+
+def test_shards_round_trip_the_corpus(prepared, corpus_dir):
+    """Decoding the shards gives back every document, split by the documented rule."""
+    data = PreparedData(prepared)
+    tok = Tokenizer(data.tokenizer_path)
+    m = data.manifest
+    docs = list(FileCorpus.from_sources([str(corpus_dir)]).documents())
+    is_val = validation_mask(np.arange(len(docs)), m["config"]["data"]["seed"], 0.2)
+    for split, flags in (("train", ~is_val), ("val", is_val)):
+        decoded = [tok.decode(d[:-1]) for d in split_documents(data, split)]
+        assert decoded == [d for d, f in zip(docs, flags) if f], split
+
+
+def test_reuse_when_nothing_changed(prepared, corpus_dir, tmp_path):
+    before = (prepared / MANIFEST).read_bytes()
+    proc = run_prepare(*base_overrides(corpus_dir, prepared), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "reusing" in proc.stdout and (prepared / MANIFEST).read_bytes() == before
+
+
+@pytest.fixture
+def copy(prepared, tmp_path) -> Path:
+    out = tmp_path / "copy"
+    shutil.copytree(prepared, out)
+    return out
+
+
+def test_truncated_shard_is_detected(copy):
+    shard = copy / read_manifest(copy)["shards"][0]["file"]
+    with open(shard, "r+b") as fh:
+        fh.truncate(shard.stat().st_size - 2)
+    with pytest.raises(DataError, match=r"corrupt shard .*train_0000.bin: \d+ bytes, but manifest.json says"):
+        PreparedData(copy)
+
+
+def test_missing_shard_and_manifest_are_detected(copy):
+    (copy / "val_0000.bin").unlink()
+    with pytest.raises(DataError, match="val_0000.bin listed in manifest.json is missing"):
+        PreparedData(copy)
+    (copy / MANIFEST).unlink()
+    with pytest.raises(DataError, match="has no manifest.json"):
+        PreparedData(copy)
+
+
+def test_edited_manifest_is_detected(copy):
+    m = json.loads((copy / MANIFEST).read_text())
+    m["splits"]["train"]["tokens"] += 1
+    (copy / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(DataError, match="train shards hold .* tokens but the total says"):
+        PreparedData(copy)
+
+
+def test_shards_from_another_tokenizer_are_detected(copy, other_tokenizer):
+    shutil.copyfile(other_tokenizer, copy / "tokenizer.model")
+    with pytest.raises(TokenizerMismatch, match="were made by another tokenizer"):
+        PreparedData(copy)
+
+
+def test_model_vocabulary_must_match(prepared):
+    data = PreparedData(prepared)
+    data.check_model(compose([f"model.vocab_size={VOCAB}"]).model)
+    with pytest.raises(DataError, match=rf"model.vocab_size=512 but .* {VOCAB}-piece tokenizer"):
+        data.check_model(compose(["model.vocab_size=512"]).model)
+
+
+def test_long_document_is_encoded_in_pieces(tmp_path, monkeypatch, other_tokenizer):
+    """A text file longer than a piece is read and encoded in pieces: still one document, one
+    eos, and the text comes back exactly (here on 2 worker processes, in-process prepare)."""
+    monkeypatch.setattr(lmsys.corpus, "PIECE_BYTES", 3000)
+    src = tmp_path / "src"
+    src.mkdir()
+    long_text = "".join(f"Line {i} of a long book, ü∑ with some words.\n" for i in range(2000))
+    (src / "book.txt").write_text(long_text, encoding="utf-8")
+    for i in range(6):
+        (src / f"short_{i}.txt").write_text(f"short document {i}\n", encoding="utf-8")
+    cfg = compose(
+        [f"data.sources=[{src}]", f"data.dir={tmp_path / 'out'}", f"model.vocab_size={VOCAB}",
+         f"data.tokenizer={other_tokenizer}", "data.val_fraction=0.3", "data.num_workers=2", "data.seed=3"]
+    )  # fmt: skip
+    out = prepare(cfg)
+    data = PreparedData(out)
+    tok = Tokenizer(data.tokenizer_path)
+    docs = [tok.decode(d[:-1]) for split in ("train", "val") for d in split_documents(data, split)]
+    assert sorted(docs) == sorted([long_text] + [f"short document {i}\n" for i in range(6)])
+    m = data.manifest
+    assert m["documents"]["documents"] == 7
+    assert m["splits"]["train"]["documents"] + m["splits"]["val"]["documents"] == 7
+    assert m["tokenizer"]["origin"] == str(other_tokenizer.resolve())
+    assert m["encoding"]["workers"] == 2 and m["encoding"]["cpu_seconds"]["workers"] > 0
