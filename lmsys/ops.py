@@ -44,6 +44,8 @@ def attention(
         from kernels import flash_attention
 
         return flash_attention(q, k, v, causal=causal, scale=scale)
+    if causal and q.shape[2] == 1:  # one query after its cache sees every key: no mask, fast path
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
     if causal and not same_length:
         t_q, t_k = q.shape[2], k.shape[2]
         query_pos = torch.arange(t_k - t_q, t_k, device=q.device)[:, None]  # (Tq, 1)
