@@ -21,9 +21,18 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
+# A fresh run directory per `make train` (expanded once, so every line names the same one);
+# `make train RUN=runs/main-...` resumes that run instead.
+RUN ?= runs/main-$(shell date +%Y%m%d-%H%M%S)
+RUN := $(RUN)
+PROMPT ?= The module
+
 train: $(VENV)/.installed
 	$(PY) -m lmsys.prepare
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m lmsys.train model=tiny deepspeed=zero2 $(ARGS)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m lmsys.train model=tiny deepspeed=zero2 \
+		trainer.run_dir=$(RUN) $(ARGS)
+	$(PY) -m lmsys.export $(RUN)
+	$(PY) -m lmsys.generate $(RUN)/export prompt="$(PROMPT)" max_new_tokens=60 temperature=0.8 top_k=40 seed=0
 
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)

@@ -109,7 +109,7 @@ class DataConfig:
     tokenizer: str | None = None  # reuse this tokenizer.model instead of training one
     vocab_size: int = "${model.vocab_size}"  # type: ignore[assignment]  # one source of truth
     text_field: str = "text"  # .jsonl field holding the document text
-    val_fraction: float = 0.01
+    val_fraction: float = 0.05
     tokenizer_sample_bytes: int = 20_000_000  # train the tokenizer on a bounded random sample
     on_decode_error: str = "error"  # error | skip: undecodable bytes
     num_workers: int = 0  # 0 means all cores
@@ -117,6 +117,7 @@ class DataConfig:
     seq_len: int = "${model.max_seq_len}"  # type: ignore[assignment]
     mask_doc_boundaries: bool = False  # zero loss weight on predictions across an eos boundary
     seed: int = 1234
+    overwrite: bool = False  # lmsys-prepare: re-prepare even when data.dir already matches the sources
 
 
 # ----------------------------------------------------------------------------- optimisation
@@ -146,6 +147,9 @@ class DeepSpeedConfig:
     contiguous_gradients: bool = True
     reduce_bucket_size: int = 50_000_000
     allgather_bucket_size: int = 50_000_000
+    # ZeRO-3 keeps parameters smaller than this (elements) whole on every rank (DeepSpeed's
+    # stage3_param_persistence_threshold); 0 partitions every parameter.
+    param_persistence_threshold: int = 100_000
 
 
 @dataclass
@@ -173,6 +177,12 @@ class TrainerConfig:
     max_nan_skips: int = 5
     device: str = "auto"  # auto | cpu | cuda
     progress: bool = True
+    dist_timeout_s: float = 600.0  # collective timeout: a dead or hung rank brings the job down
+    # Fault injection for tests (leave empty in real runs): make the loss NaN at these steps,
+    # sleep this long after every step, make the last rank exit at this step on a first attempt.
+    debug_nan_steps: list[int] = field(default_factory=list)
+    debug_step_delay_s: float = 0.0
+    debug_crash_at_step: int = 0
 
 
 @dataclass
@@ -303,6 +313,12 @@ def validate(cfg: Config) -> Config:
     _require(0.0 < d.val_fraction < 1.0, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
     _one_of("data.on_decode_error", d.on_decode_error, ("error", "skip"))
     _require(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be >= 0 (0 means all cores)")
+    _require(d.shard_tokens >= 1, f"data.shard_tokens={d.shard_tokens} must be >= 1")
+    _require(
+        d.tokenizer_sample_bytes >= 1, f"data.tokenizer_sample_bytes={d.tokenizer_sample_bytes} must be >= 1"
+    )
+    _require(bool(d.text_field), "data.text_field must not be empty")
+    _require(bool(d.dir), "data.dir must not be empty")
     _require(o.lr > 0, f"optim.lr={o.lr} must be > 0")
     _require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
     _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
@@ -315,6 +331,20 @@ def validate(cfg: Config) -> Config:
     _require(t.micro_batch_size >= 1, f"trainer.micro_batch_size={t.micro_batch_size} must be >= 1")
     _require(t.global_batch_tokens >= 1, f"trainer.global_batch_tokens={t.global_batch_tokens} must be >= 1")
     _require(t.keep_last >= 1, f"trainer.keep_last={t.keep_last} must be >= 1")
+    _require(t.eval_interval >= 1, f"trainer.eval_interval={t.eval_interval} must be >= 1")
+    _require(t.eval_batches >= 1, f"trainer.eval_batches={t.eval_batches} must be >= 1")
+    _require(t.save_interval >= 1, f"trainer.save_interval={t.save_interval} must be >= 1")
+    _require(t.max_nan_skips >= 0, f"trainer.max_nan_skips={t.max_nan_skips} must be >= 0")
+    _require(t.dist_timeout_s > 0, f"trainer.dist_timeout_s={t.dist_timeout_s} must be > 0")
+    _require(bool(t.resume), "trainer.resume must be auto, never or a checkpoint directory")
+    _require(
+        ds.param_persistence_threshold >= 0,
+        f"deepspeed.param_persistence_threshold={ds.param_persistence_threshold} must be >= 0",
+    )
+    if ds.offload_param:
+        _require(ds.stage == 3, f"deepspeed.offload_param=true needs deepspeed.stage=3 (got {ds.stage})")
+    if ds.offload_optimizer:
+        _require(ds.stage >= 1, "deepspeed.offload_optimizer=true needs deepspeed.stage >= 1 (got 0)")
     _one_of("trainer.device", t.device, ("auto", "cpu", "cuda"))
     return cfg
 

@@ -1,0 +1,473 @@
+"""The DeepSpeed engine: the only module of lmsys that knows about ZeRO.
+
+Parallelism is applied to the single-device `Transformer` from outside, in this fixed order:
+
+1. `batch_plan`: the batch arithmetic. `trainer.global_batch_tokens / data.seq_len` sequences per
+   optimizer step, split into `micro_batch_size` sequences per rank per forward, so gradient
+   accumulation = global sequences / (micro_batch_size * world_size), derived, never configured.
+2. `apply_activation_checkpointing`: each block's forward is wrapped in
+   `torch.utils.checkpoint` (recomputed in the backward) when deepspeed.activation_checkpointing.
+3. `LossModule`: the engine's forward is the model's loss, so DeepSpeed sees one module whose
+   output is the scalar to differentiate.
+4. `build_optimizer`: AdamW, weight decay only on matrices (>= 2-D weights, embeddings
+   included); torch's AdamW on CPU, DeepSpeed's fused Adam on CUDA (its CPU Adam when the
+   optimizer state is offloaded).
+5. `deepspeed_config` + `deepspeed.initialize`: the DeepSpeed JSON generated from the config
+   groups (ZeRO stage and offload, precision, micro-batch, accumulation, clipping).
+
+The learning rate follows `lr_at(step)` (linear warmup, cosine decay to lr * min_lr_ratio); the
+train loop writes it into the optimizer's param groups before each step, so the schedule is a
+pure function of the step and a resumed run follows it exactly without scheduler state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import socket
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from lmsys.config import Config, ConfigError, OptimConfig, tokens_per_sample
+
+# ----------------------------------------------------------------------------- batch arithmetic
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step's sequences are cut into micro-batches across ranks."""
+
+    seq_len: int  # positions per forward
+    tokens_per_sample: int  # tokens the loader cuts per sequence (seq_len + 1 with the usual shift)
+    micro_batch_size: int  # sequences per rank per forward
+    world_size: int
+    grad_accum: int  # micro-batches per rank per optimizer step
+    global_batch_sequences: int  # = micro_batch_size * world_size * grad_accum
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_sequences * self.seq_len
+
+    def arithmetic(self) -> str:
+        return (
+            f"{self.tokens_per_step:,} tokens per step = micro {self.micro_batch_size} x seq {self.seq_len} "
+            f"x world {self.world_size} x accumulation {self.grad_accum}"
+        )
+
+
+def batch_plan(cfg: Config, world_size: int) -> BatchPlan:
+    """Derive gradient accumulation from trainer.global_batch_tokens; ConfigError if it does not divide."""
+    t, seq = cfg.trainer, cfg.data.seq_len
+    if t.global_batch_tokens % seq:
+        lower, upper = (t.global_batch_tokens // seq) * seq, (t.global_batch_tokens // seq + 1) * seq
+        raise ConfigError(
+            f"trainer.global_batch_tokens={t.global_batch_tokens} is not a multiple of data.seq_len={seq}; "
+            f"use e.g. {lower or upper} or {upper}"
+        )
+    sequences = t.global_batch_tokens // seq
+    per_micro_step = t.micro_batch_size * world_size
+    if sequences % per_micro_step:
+        k = max(1, round(sequences / per_micro_step))
+        raise ConfigError(
+            f"trainer.global_batch_tokens={t.global_batch_tokens} gives {sequences} sequences per step "
+            f"({t.global_batch_tokens} / data.seq_len={seq}), which does not divide by "
+            f"trainer.micro_batch_size={t.micro_batch_size} x world_size={world_size} = {per_micro_step}; "
+            f"use a multiple of {per_micro_step * seq} tokens, "
+            f"e.g. trainer.global_batch_tokens={k * per_micro_step * seq}"
+        )
+    return BatchPlan(
+        seq_len=seq,
+        tokens_per_sample=tokens_per_sample(cfg.model, seq),
+        micro_batch_size=t.micro_batch_size,
+        world_size=world_size,
+        grad_accum=sequences // per_micro_step,
+        global_batch_sequences=sequences,
+    )
+
+
+# ----------------------------------------------------------------------------- device, precision
+
+
+def resolve_device(choice: str, local_rank: int = 0) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "trainer.device=cuda but no CUDA device is available; use trainer.device=auto or cpu"
+            )
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def resolve_precision(choice: str, device: torch.device) -> str:
+    """auto: bf16 on CUDA, fp32 on CPU."""
+    if choice == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    if choice == "fp16" and device.type != "cuda":
+        raise ConfigError("deepspeed.precision=fp16 needs a CUDA device; use fp32 or bf16 on CPU")
+    return choice
+
+
+# ----------------------------------------------------------------------------- distributed
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+
+
+def env_dist_info() -> DistInfo:
+    """Rank and world size as torchrun sets them (a plain `python -m lmsys.train` is rank 0 of 1)."""
+    return DistInfo(
+        rank=int(os.environ.get("RANK", "0")),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
+    )
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def quiet_deepspeed() -> None:
+    """DeepSpeed logs its whole configuration and every bucket size at INFO; keep warnings only."""
+    for name in ("DeepSpeed", "deepspeed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        from deepspeed.utils import logger as ds_logger
+
+        ds_logger.setLevel(logging.WARNING)
+    except Exception:  # pragma: no cover - older layouts
+        pass
+
+
+def init_distributed(device: torch.device, timeout_s: float) -> None:
+    """Join (or create, for a plain one-process run) the process group, with a collective timeout
+    so that a rank that dies or hangs brings the job down instead of blocking the others forever."""
+    import warnings
+
+    import torch.distributed as dist
+
+    if device.type == "cpu":  # tell DeepSpeed rather than let it warn that it found no GPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # DeepSpeed calls torch.distributed's older collective names; their deprecation notices
+    # would print on every rank at every step.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    import deepspeed
+
+    if dist.is_initialized():  # a Hydra multirun calls the task several times in one process
+        return
+    if "MASTER_ADDR" not in os.environ:  # plain `python -m lmsys.train`: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ["MASTER_PORT"] = str(free_port())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    quiet_deepspeed()
+    timeout = timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's static rendezvous (the default with --master_addr/--master_port) keeps ONE
+        # store for every restart of the job, and env:// adds no per-attempt prefix: after a
+        # --max_restarts restart the new ranks would read the dead ranks' addresses and fail to
+        # connect. Key everything by the attempt; the agent hosts the store, we are its clients.
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            int(os.environ["WORLD_SIZE"]),
+            is_master=False,
+            timeout=timeout,
+        )
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"lmsys/attempt_{attempt}", store),
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timeout,
+        )
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False, timeout=timeout)
+
+
+# ----------------------------------------------------------------------------- model wrapping
+
+
+class LossModule(nn.Module):
+    """What the engine runs: (tokens (B, S), weights (B, S)) -> the model's scalar loss.
+
+    The model stays the single-device Transformer; its parameters live under `model.` here.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model.loss(tokens, weights)
+
+
+def apply_activation_checkpointing(model: nn.Module) -> int:
+    """Recompute every block's activations in the backward instead of storing them: each block's
+    forward runs under torch.utils.checkpoint (non-reentrant, which also re-runs ZeRO-3's
+    parameter-gathering hooks). Applied from outside: the state-dict keys do not change."""
+    from torch.utils.checkpoint import checkpoint
+
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        raise TypeError("activation checkpointing needs a model with a `blocks` ModuleList")
+    for block in blocks:
+        inner = block.forward
+
+        def forward(x, cache=None, layer=0, _inner=inner):
+            if cache is not None or not torch.is_grad_enabled():  # generation / eval: nothing to save
+                return _inner(x, cache, layer)
+            return checkpoint(_inner, x, None, layer, use_reentrant=False)
+
+        block.forward = forward
+    return len(blocks)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices (>= 2-D: linear weights, embeddings, position tables), none on
+    biases and norm gains. A tied matrix appears once (named_parameters de-duplicates)."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def lr_at(step: int, optim: OptimConfig, max_steps: int) -> float:
+    """Learning rate of optimizer step `step` (1-based): linear warmup over optim.warmup_steps,
+    then cosine decay from optim.lr to optim.lr * optim.min_lr_ratio at max_steps."""
+    if optim.warmup_steps > 0 and step <= optim.warmup_steps:
+        return optim.lr * step / optim.warmup_steps
+    decay_steps = max(1, max_steps - optim.warmup_steps)
+    progress = min(1.0, max(0.0, (step - optim.warmup_steps) / decay_steps))
+    min_lr = optim.lr * optim.min_lr_ratio
+    return min_lr + 0.5 * (optim.lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def _adam_kwargs(optim: OptimConfig) -> dict[str, Any]:
+    return {"lr": optim.lr, "betas": (optim.beta1, optim.beta2), "eps": optim.eps}
+
+
+def build_optimizer(
+    model: nn.Module, cfg: Config, device: torch.device
+) -> tuple[torch.optim.Optimizer | None, dict[str, Any] | None, list[dict[str, Any]], str]:
+    """(client optimizer, DeepSpeed "optimizer" JSON section, param groups, description).
+
+    CPU: torch.optim.AdamW as a client optimizer. CUDA: DeepSpeed builds its fused Adam (or, with
+    the optimizer state offloaded, its CPU Adam) from the JSON section, in AdamW mode.
+    """
+    groups = param_groups(model, cfg.optim.weight_decay)
+    if device.type == "cuda":
+        section = {
+            "type": "AdamW",
+            "params": {
+                "lr": cfg.optim.lr,
+                "betas": [cfg.optim.beta1, cfg.optim.beta2],
+                "eps": cfg.optim.eps,
+                "weight_decay": cfg.optim.weight_decay,
+            },
+        }
+        kind = "DeepSpeed CPU Adam (offloaded)" if cfg.deepspeed.offload_optimizer else "DeepSpeed fused Adam"
+        return None, section, groups, kind
+    return torch.optim.AdamW(groups, **_adam_kwargs(cfg.optim), foreach=False), None, groups, "torch AdamW"
+
+
+# ----------------------------------------------------------------------------- DeepSpeed JSON
+
+
+def deepspeed_config(
+    cfg: Config, plan: BatchPlan, device: torch.device, optimizer_section: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The DeepSpeed JSON, generated from the deepspeed/optim/trainer groups."""
+    ds = cfg.deepspeed
+    precision = resolve_precision(ds.precision, device)
+    cuda = device.type == "cuda"
+    zero: dict[str, Any] = {
+        "stage": ds.stage,
+        # Both exist for GPUs (overlap the gradient reduction with the backward on a side stream;
+        # avoid fragmenting GPU memory). A CPU has no streams and no fragmentation to avoid: they
+        # only add gradient copies (~10% of a tiny model's ZeRO-2 step; lmsys.bench train).
+        "overlap_comm": ds.overlap_comm and cuda,
+        "contiguous_gradients": ds.contiguous_gradients and cuda,
+        "reduce_bucket_size": ds.reduce_bucket_size,
+        "allgather_bucket_size": ds.allgather_bucket_size,
+    }
+    pin = cuda
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+    if ds.offload_param:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+    if ds.stage == 3:
+        zero["stage3_param_persistence_threshold"] = ds.param_persistence_threshold
+        zero["stage3_prefetch_bucket_size"] = ds.allgather_bucket_size
+    config: dict[str, Any] = {
+        "train_batch_size": plan.global_batch_sequences,
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.grad_accum,
+        "gradient_clipping": cfg.optim.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        "zero_allow_untested_optimizer": True,  # torch AdamW on CPU
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**31 - 1,  # lmsys logs; DeepSpeed stays quiet
+        "wall_clock_breakdown": False,
+        "checkpoint": {"tag_validation": "FAIL"},
+    }
+    if optimizer_section is not None:
+        config["optimizer"] = optimizer_section
+    return config
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+@dataclass
+class EngineInfo:
+    """What the banner, metrics and tests need to know about the engine."""
+
+    stage: int
+    precision: str
+    device: str
+    world_size: int
+    optimizer: str
+    activation_checkpointing: bool
+    offload_optimizer: bool
+    offload_param: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def initialize(
+    model: nn.Module, cfg: Config, plan: BatchPlan, device: torch.device
+) -> tuple[Any, EngineInfo, dict[str, Any]]:
+    """Wrap the model into a DeepSpeed engine. Returns (engine, info, the DeepSpeed JSON).
+
+    `model` is the plain Transformer, built identically (same seed) on every rank; DeepSpeed
+    broadcasts rank 0's weights and, at ZeRO-3, partitions them.
+    """
+    import deepspeed
+
+    quiet_deepspeed()
+    precision = resolve_precision(cfg.deepspeed.precision, device)
+    if cfg.deepspeed.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    module = LossModule(model)
+    client_opt, opt_section, groups, opt_kind = build_optimizer(model, cfg, device)
+    ds_config = deepspeed_config(cfg, plan, device, opt_section)
+    engine, _, _, _ = deepspeed.initialize(
+        model=module,
+        optimizer=client_opt,
+        model_parameters=groups,
+        config=ds_config,
+        dist_init_required=False,
+    )
+    info = EngineInfo(
+        stage=cfg.deepspeed.stage,
+        precision=precision,
+        device=str(device),
+        world_size=plan.world_size,
+        optimizer=opt_kind,
+        activation_checkpointing=cfg.deepspeed.activation_checkpointing,
+        offload_optimizer=cfg.deepspeed.offload_optimizer,
+        offload_param=cfg.deepspeed.offload_param,
+    )
+    return engine, info, ds_config
+
+
+@contextlib.contextmanager
+def skipped_update(engine: Any):
+    """Run one `engine.step()` that applies no update: gradients zeroed, the optimizer's step a
+    no-op (Adam moments, step counts and weights untouched), DeepSpeed's own bookkeeping (step
+    counters, zero_grad) as usual. For ZeRO stage 0; ZeRO >= 1 discards a step with non-finite
+    gradients by itself."""
+    for p in engine.module.parameters():
+        if p.grad is not None:
+            p.grad.zero_()
+    optimizer = engine.optimizer
+    optimizer.step = lambda *args, **kwargs: None  # shadows the method for this one call
+    try:
+        yield
+    finally:
+        del optimizer.step
+
+
+def grad_norm(engine: Any) -> float | None:
+    """The global gradient norm of the last step (before clipping)."""
+    norm = engine.get_global_grad_norm()
+    if torch.is_tensor(norm):
+        norm = norm.item()
+    return None if norm is None else float(norm)
+
+
+def replicated_grad_norm(module: nn.Module) -> float:
+    """ZeRO stage 0: every rank holds the whole averaged gradient after the boundary backward.
+    One fused norm and one device sync (DeepSpeed's own stage-0 clipping discards its norm)."""
+    grads = [p.grad.detach() for p in module.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(torch.nn.utils.get_total_norm(grads, norm_type=2.0).item())
+
+
+def set_lr(engine: Any, lr: float) -> None:
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr
+
+
+def _innermost_optimizer(opt: Any) -> Any:
+    seen = 0
+    while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "optimizer") and seen < 8:
+        opt = opt.optimizer
+        seen += 1
+    return opt
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def shard_stats(engine: Any) -> dict[str, int]:
+    """What this rank holds: optimizer state (Adam moments, partitioned at ZeRO >= 1), the
+    optimizer's fp32 master parameters, and the module's parameters (partitioned at ZeRO-3).
+    Call after the first optimizer step (Adam creates its state lazily)."""
+    opt = _innermost_optimizer(engine.optimizer)
+    state_bytes = 0
+    master_bytes = 0
+    if isinstance(opt, torch.optim.Optimizer):
+        for state in opt.state.values():
+            for value in state.values():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    state_bytes += _tensor_bytes(value)
+        for group in opt.param_groups:
+            for p in group["params"]:
+                master_bytes += _tensor_bytes(p)
+    param_bytes = 0
+    full_param_bytes = 0
+    for p in engine.module.parameters():
+        ds_tensor = getattr(p, "ds_tensor", None)
+        if ds_tensor is not None:  # ZeRO-3: this rank's partition
+            param_bytes += _tensor_bytes(ds_tensor)
+            full_param_bytes += int(p.ds_numel) * ds_tensor.element_size()
+        else:
+            param_bytes += _tensor_bytes(p)
+            full_param_bytes += _tensor_bytes(p)
+    return {
+        "optimizer_state_bytes": state_bytes,
+        "optimizer_param_bytes": master_bytes,
+        "param_bytes": param_bytes,
+        "full_param_bytes": full_param_bytes,
+    }

@@ -1,0 +1,349 @@
+"""Metrics: MFU, memory, metrics.jsonl, Weights & Biases (rank 0 only), the loss plot.
+
+Every record goes to `<run_dir>/metrics.jsonl` (one JSON object per line, `kind` = train | eval)
+and, unless logger.wandb=disabled, to W&B with the same keys (`train/loss`, `eval/loss`, ...).
+W&B never blocks and never prompts: `online` needs WANDB_API_KEY in the environment and falls
+back to `offline` with a warning otherwise (or when the service cannot be reached); its files
+live in `<run_dir>/wandb`. The API key is never written anywhere by lmsys.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import struct
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+
+# Dense bf16 tensor-core peak FLOP/s by device-name fragment, most specific first (DESIGN.md:
+# training MFU is measured against the device's dense bf16 peak).
+PEAK_BF16_FLOPS: list[tuple[str, float]] = [
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("A6000", 155e12),
+    ("A10G", 125e12),
+    ("A10", 125e12),
+    ("L4", 121e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+    ("V100", 125e12),  # fp16 tensor cores (no bf16)
+    ("T4", 65e12),  # fp16 tensor cores (no bf16)
+]
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak of one device in FLOP/s, or None (CPU, unknown GPU): MFU is then null."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for fragment, peak in PEAK_BF16_FLOPS:
+        if fragment in name:
+            return peak
+    return None
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads/process)"
+
+
+def mfu(
+    flops_per_token: float, tokens_per_s: float, peak_per_device: float | None, world_size: int
+) -> float | None:
+    """Model FLOPs utilisation: achieved training FLOP/s over the peak of all devices."""
+    if peak_per_device is None or tokens_per_s <= 0:
+        return None
+    return flops_per_token * tokens_per_s / (peak_per_device * world_size)
+
+
+def memory_gb(device: torch.device) -> float:
+    """Peak memory of this process so far: CUDA allocations on GPU, resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # ru_maxrss is KiB on Linux
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+# ----------------------------------------------------------------------------- the logger
+
+
+class MetricsLogger:
+    """metrics.jsonl + W&B. Create it on rank 0 only."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        logger_cfg: Any,
+        config_dict: dict[str, Any],
+        run_name: str,
+        wandb_id: str | None,
+        resumed_step: int,
+        warn: Callable[[str], None],
+    ) -> None:
+        self.run_dir = run_dir
+        self.path = run_dir / METRICS_FILE
+        self.warn = warn
+        self._truncate_after(resumed_step)
+        self._file = open(self.path, "a", encoding="utf-8")
+        self.wandb_run = None
+        self.wandb_mode = "disabled"
+        mode = logger_cfg.wandb
+        if mode == "online" and not os.environ.get("WANDB_API_KEY"):
+            warn("logger.wandb=online but WANDB_API_KEY is not set; logging to W&B offline instead")
+            mode = "offline"
+        if mode != "disabled":
+            self.wandb_run = self._init_wandb(mode, logger_cfg, config_dict, run_name, wandb_id)
+
+    def _truncate_after(self, step: int) -> None:
+        """A resumed run recomputes the steps after its checkpoint: drop their old records."""
+        if not self.path.exists():
+            return
+        kept = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line cut by a kill -9
+                continue
+            if int(record.get("step", 0)) <= step:
+                kept.append(line)
+        tmp = self.path.with_name(f".tmp-{self.path.name}")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+    def _init_wandb(
+        self, mode: str, lg: Any, config_dict: dict[str, Any], run_name: str, wandb_id: str | None
+    ) -> Any:
+        os.environ.setdefault("WANDB_SILENT", "true")
+        os.environ.setdefault("WANDB_CONSOLE", "off")
+        os.environ.setdefault("WANDB_DISABLE_CODE", "true")
+        try:
+            import wandb
+        except ImportError:
+            self.warn("wandb is not installed; logging to metrics.jsonl only")
+            return None
+
+        def start(m: str) -> Any:
+            settings = wandb.Settings(
+                console="off",
+                silent=True,
+                save_code=False,
+                x_save_requirements=False,
+                init_timeout=60.0,
+            )
+            return wandb.init(
+                project=lg.project,
+                entity=lg.entity,
+                group=lg.group,
+                tags=list(lg.tags) or None,
+                name=run_name,
+                id=wandb_id,
+                resume="allow" if wandb_id else None,
+                dir=str(self.run_dir),
+                mode=m,
+                config=config_dict,
+                settings=settings,
+            )
+
+        try:
+            run = start(mode)
+        except Exception as exc:  # no network, bad key, service start failure
+            if mode != "online":
+                self.warn(f"W&B could not start ({type(exc).__name__}: {exc}); logging to metrics.jsonl only")
+                return None
+            self.warn(f"W&B online could not start ({type(exc).__name__}); logging to W&B offline instead")
+            try:
+                run = start("offline")
+                mode = "offline"
+            except Exception as exc2:
+                self.warn(
+                    f"W&B could not start ({type(exc2).__name__}: {exc2}); logging to metrics.jsonl only"
+                )
+                return None
+        self.wandb_mode = mode
+        run.define_metric("train/*", step_metric="step")
+        run.define_metric("eval/*", step_metric="step")
+        return run
+
+    @property
+    def wandb_id(self) -> str | None:
+        return None if self.wandb_run is None else self.wandb_run.id
+
+    def log(self, kind: str, step: int, values: dict[str, Any], to_wandb: bool = True) -> None:
+        """One record: always to metrics.jsonl, to W&B when `to_wandb` (every logger.log_interval)."""
+        record = {"kind": kind, "step": step, **{k: _finite_or_none(v) for k, v in values.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self.wandb_run is not None and to_wandb:
+            data = {
+                f"{kind}/{k}": v for k, v in values.items() if isinstance(v, (int, float)) and v is not None
+            }
+            data["step"] = step
+            self.wandb_run.log(data, step=step)
+
+    def summary(self, values: dict[str, Any]) -> None:
+        if self.wandb_run is not None:
+            for k, v in values.items():
+                self.wandb_run.summary[k] = v
+
+    def close(self, exit_code: int = 0) -> None:
+        self._file.close()
+        if self.wandb_run is not None:
+            try:
+                self.wandb_run.finish(exit_code=exit_code)
+            except Exception as exc:  # never fail a finished training run on logging
+                self.warn(f"W&B finish failed: {type(exc).__name__}: {exc}")
+            self.wandb_run = None
+
+
+# ----------------------------------------------------------------------------- reading back
+
+
+def read_metrics(run_dir: str | Path, kind: str | None = None) -> list[dict[str, Any]]:
+    path = Path(run_dir) / METRICS_FILE
+    records = []
+    if not path.exists():
+        return records
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if kind is None or record.get("kind") == kind:
+            records.append(record)
+    return records
+
+
+def plot_losses(run_dir: str | Path) -> Path | None:
+    """loss.png: training loss per step and validation loss, from metrics.jsonl (matplotlib Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in read_metrics(run_dir, "train") if r.get("loss") is not None]
+    evals = [r for r in read_metrics(run_dir, "eval") if r.get("loss") is not None]
+    if not train and not evals:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    if train:
+        ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", lw=1.2)
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="validation loss", lw=1.2)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(Path(run_dir).name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = Path(run_dir) / PLOT_FILE
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+# ----------------------------------------------------------------------------- W&B run files
+
+# A .wandb file is W&B's transaction log: a 7-byte header (":W&B", magic 0xBEE1, version 0) then
+# LevelDB-log framing: 32 KiB blocks of records, each with a 7-byte header (crc32c, length,
+# type: 1 full, 2 first, 3 middle, 4 last) whose payloads are wandb_internal_pb2.Record protobufs.
+_WANDB_HEADER = 7
+_BLOCK = 32768
+_RECORD_HEADER = 7
+
+
+def wandb_records(path: str | Path) -> Iterator[Any]:
+    """The protobuf Records of an offline run's .wandb file (parsed with W&B's own schema)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(path).read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{path} is not a W&B run file")
+    pos, pending = _WANDB_HEADER, b""
+    while pos + _RECORD_HEADER <= len(data):
+        left_in_block = _BLOCK - pos % _BLOCK
+        if left_in_block < _RECORD_HEADER:  # block trailer padding
+            pos += left_in_block
+            continue
+        _crc, length, rtype = struct.unpack("<IHB", data[pos : pos + _RECORD_HEADER])
+        pos += _RECORD_HEADER
+        if pos + length > len(data):  # the tail of a run killed mid-write
+            break
+        payload, pos = data[pos : pos + length], pos + length
+        if rtype == 0 and length == 0:  # zero padding
+            continue
+        if rtype == 1:
+            pending = b""
+            chunk = payload
+        elif rtype == 2:
+            pending = payload
+            continue
+        elif rtype == 3:
+            pending += payload
+            continue
+        elif rtype == 4:
+            chunk, pending = pending + payload, b""
+        else:
+            break
+        record = wandb_internal_pb2.Record()
+        try:
+            record.ParseFromString(chunk)
+        except Exception:  # a damaged record: stop reading, as W&B's own reader does
+            break
+        yield record
+
+
+def wandb_history(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every history row logged to the offline W&B run(s) under run_dir/wandb, oldest first."""
+    rows = []
+    for path in sorted(Path(run_dir, "wandb").glob("*run-*/run-*.wandb")):
+        for record in wandb_records(path):
+            if record.WhichOneof("record_type") == "history":
+                row = {}
+                for item in record.history.item:
+                    key = item.key or "/".join(item.nested_key)
+                    row[key] = json.loads(item.value_json)
+                rows.append(row)
+    return rows
+
+
+def wandb_config(run_dir: str | Path) -> dict[str, Any]:
+    """The config the offline W&B run(s) recorded (later updates win)."""
+    config: dict[str, Any] = {}
+    for path in sorted(Path(run_dir, "wandb").glob("*run-*/run-*.wandb")):
+        for record in wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            items = []
+            if kind == "run":
+                items = record.run.config.update
+            elif kind == "config":
+                items = record.config.update
+            for item in items:
+                key = item.key or "/".join(item.nested_key)
+                config[key] = json.loads(item.value_json)
+    return config
+
+
+def print_err(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,266 @@
+"""Fixtures for the training tests: one small prepared dataset per session, and a cache of short
+real training runs (DeepSpeed on CPU with gloo, 1 or 2 processes) shared between test modules.
+
+Every run is the real CLI in a subprocess: `python -m lmsys.train` for one process,
+`torchrun --nproc_per_node=2 -m lmsys.train` (on a free master port) for two. The model is the
+tiny preset shrunk to d_model 32, 2 layers, vocabulary 512, sequences of 32 tokens; the global
+batch is 8 sequences whatever the number of processes, so every run sees the same samples.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+VOCAB = 512
+SEQ = 32
+MAX_STEPS = 6
+FAKE_WANDB_KEY = "lmsys-test-not-a-real-key-0123456789abcdef"
+
+# The shared shape of every matrix run (1 process: micro-batch 8; 2 processes: 4 each).
+COMMON = [
+    f"model.vocab_size={VOCAB}",
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    f"model.max_seq_len={SEQ}",
+    "model.ffn.d_ff=64",
+    f"trainer.max_steps={MAX_STEPS}",
+    f"trainer.global_batch_tokens={8 * SEQ}",
+    "trainer.eval_interval=3",
+    "trainer.eval_batches=2",
+    "trainer.save_interval=2",
+    "trainer.keep_last=3",
+    "trainer.progress=false",
+    "trainer.dist_timeout_s=120",
+    "optim.lr=3e-3",
+    "optim.warmup_steps=2",
+    "logger=none",
+    "deepspeed.param_persistence_threshold=0",  # ZeRO-3 partitions even these small matrices
+]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"  # 2 processes on 2 cores; also keeps 1-process math comparable
+    env["PYTHONUNBUFFERED"] = "1"
+    # runs start in a scratch directory (Hydra's runs/.multirun lands there), lmsys from this checkout
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env.pop("WANDB_API_KEY", None)
+    env["WANDB_MODE"] = "offline"  # belt and braces: no test ever talks to the network
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def train_command(nproc: int, overrides: list[str], max_restarts: int = 0) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "lmsys.train", *overrides]
+    return [
+        TORCHRUN,
+        "--nnodes=1",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        f"--max_restarts={max_restarts}",
+        "--monitor_interval=0.5",
+        "-m",
+        "lmsys.train",
+        *overrides,
+    ]
+
+
+@dataclass
+class Run:
+    name: str
+    run_dir: Path
+    returncode: int
+    stdout: str
+    stderr: str
+    overrides: list[str] = field(default_factory=list)
+
+    def records(self, kind: str = "train") -> list[dict]:
+        from lmsys.metrics import read_metrics
+
+        return read_metrics(self.run_dir, kind)
+
+    def losses(self) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in self.records("train")}
+
+    def stats(self) -> dict:
+        return json.loads((self.run_dir / "engine_stats.json").read_text())
+
+    def check(self) -> Run:
+        assert self.returncode == 0, f"{self.name} failed ({self.returncode})\n{self.stdout}\n{self.stderr}"
+        return self
+
+
+def run_train(
+    name: str,
+    nproc: int,
+    overrides: list[str],
+    run_dir: Path,
+    cwd: Path | None = None,
+    timeout: float = 300,
+    max_restarts: int = 0,
+    env: dict[str, str] | None = None,
+) -> Run:
+    all_overrides = [
+        *overrides,
+        f"trainer.run_dir='{run_dir}'" if "${" in str(run_dir) else f"trainer.run_dir={run_dir}",
+    ]
+    proc = subprocess.run(
+        train_command(nproc, all_overrides, max_restarts),
+        cwd=cwd or REPO_ROOT,
+        env=env or child_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return Run(name, run_dir, proc.returncode, proc.stdout, proc.stderr, all_overrides)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One process launch; `sweep` launches run several matrix cases as one Hydra multirun
+    (`-m`), which pays the start-up (imports, process group) once for all of them."""
+
+    nproc: int
+    overrides: tuple[str, ...]
+    cases: tuple[str, ...]  # the case names it produces, in run_dir order
+    run_dir: str  # a run_dir pattern relative to the cache root (may interpolate the sweep keys)
+
+
+LAUNCHES: dict[str, Launch] = {
+    "one": Launch(
+        1,
+        ("trainer.micro_batch_size=8", "logger=wandb_offline", "logger.log_interval=2"),
+        ("1proc",),
+        "1proc",
+    ),
+    # 2 processes with ZeRO 0, 1, 2, 3 (micro-batches of 4: no accumulation)
+    "zero": Launch(
+        2,
+        ("-m", "deepspeed=zero0,zero1,zero2,zero3", "trainer.micro_batch_size=4"),
+        ("2proc-zero0", "2proc-zero1", "2proc-zero2", "2proc-zero3"),
+        "2proc-zero${deepspeed.stage}",
+    ),
+    # gradient accumulation 2 (micro-batches of 2 on each of 2 ranks) with activation
+    # checkpointing, at ZeRO-3, for the tiny preset and for seed_gpt (tied W_U = W_E, no norms)
+    "accum": Launch(
+        2,
+        (
+            "-m",
+            "model=tiny,seed_gpt",
+            "deepspeed=zero3",
+            "trainer.micro_batch_size=2",
+            "deepspeed.activation_checkpointing=true",
+        ),
+        ("2proc-zero3-accum2-actckpt-tiny", "2proc-zero3-accum2-actckpt-seed_gpt"),
+        "2proc-zero3-accum2-actckpt-${model.name}",
+    ),
+}
+CASES = {case: launch for launch, spec in LAUNCHES.items() for case in spec.cases}
+
+
+def data_overrides(data_dir: Path) -> list[str]:
+    return [f"data.dir={data_dir}", *COMMON]
+
+
+class RunCache:
+    """Runs each launch at most once per session; tests share the results by case name."""
+
+    def __init__(self, root: Path, data_dir: Path) -> None:
+        self.root, self.data_dir = root, data_dir
+        self._runs: dict[str, Run] = {}
+
+    def overrides(self, case: str) -> list[str]:
+        """The overrides of one case as a plain (non-sweep) run would take them."""
+        spec = LAUNCHES[CASES[case]]
+        plain = [o for o in spec.overrides if o != "-m" and "," not in o]
+        if case.endswith("seed_gpt"):
+            plain.append("model=seed_gpt")
+        elif case.endswith("-tiny"):
+            plain.append("model=tiny")
+        for o in spec.overrides:
+            if o.startswith("deepspeed=zero0,"):
+                plain.append(f"deepspeed=zero{case[-1]}")
+        return [*data_overrides(self.data_dir), *plain]
+
+    def get(self, case: str) -> Run:
+        if case not in self._runs:
+            name = CASES[case]
+            spec = LAUNCHES[name]
+            env = child_env()
+            env["WANDB_API_KEY"] = FAKE_WANDB_KEY  # must never reach a file or the output
+            flags = [o for o in spec.overrides if o.startswith("-")]  # Hydra's -m goes first
+            rest = [o for o in spec.overrides if not o.startswith("-")]
+            overrides = [*flags, *data_overrides(self.data_dir), *rest]
+            run = run_train(name, spec.nproc, overrides, self.root / spec.run_dir, env=env, cwd=self.root)
+            for c in spec.cases:
+                self._runs[c] = Run(c, self.root / c, run.returncode, run.stdout, run.stderr, run.overrides)
+        return self._runs[case]
+
+
+def _write_corpus(directory: Path) -> None:
+    """~380 KB of English: docstrings of some standard-library modules (deterministic per Python),
+    one document per docstring (a .jsonl line), so that document boundaries are frequent enough
+    for data.mask_doc_boundaries to give the ranks different loss-weight sums."""
+    directory.mkdir(parents=True, exist_ok=True)
+    modules = [
+        "json", "argparse", "collections", "functools", "itertools", "pathlib", "re", "os", "random",
+        "string", "textwrap", "typing", "dataclasses", "heapq", "bisect", "statistics", "fractions",
+        "decimal", "datetime", "calendar",
+    ]  # fmt: skip
+    with open(directory / "docstrings.jsonl", "w", encoding="utf-8") as f:
+        for name in modules:
+            module = importlib.import_module(name)
+            docs = [module.__doc__]
+            for attr in sorted(dir(module)):
+                if not attr.startswith("_"):
+                    docs.append(getattr(getattr(module, attr, None), "__doc__", None))
+            for doc in docs:
+                if isinstance(doc, str) and doc.strip():
+                    f.write(json.dumps({"text": doc}) + "\n")
+
+
+@pytest.fixture(scope="session")
+def prepared_data(tmp_path_factory) -> Path:
+    """A prepared dataset (vocabulary 512) made once via `python -m lmsys.prepare`."""
+    root = tmp_path_factory.mktemp("train_data")
+    corpus, out = root / "corpus", root / "prepared"
+    _write_corpus(corpus)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmsys.prepare", f"data.sources=[{corpus}]", f"data.dir={out}",
+         f"model.vocab_size={VOCAB}", "data.val_fraction=0.1"],
+        cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory, prepared_data) -> RunCache:
+    return RunCache(tmp_path_factory.mktemp("train_runs"), prepared_data)
+
+
+def copy_run(run: Run, dest: Path) -> Path:
+    shutil.copytree(run.run_dir, dest, ignore=shutil.ignore_patterns("wandb"))
+    return dest

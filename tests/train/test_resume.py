@@ -1,0 +1,209 @@
+"""Checkpoints and resume under faults, with real runs:
+
+- kill -9 of the whole torchrun process group right after a checkpoint appears, then resume:
+  the losses are identical to the uninterrupted run's;
+- a corrupted (truncated) newest checkpoint, a partial one (no completion marker) and a leftover
+  temporary directory: resume falls back to the previous complete checkpoint with a warning;
+- a rank that dies brings the job down, and torchrun --max_restarts with resume=auto continues
+  from the last checkpoint (in the default runs/<model>-<timestamp> directory, found again);
+- a resume with a different model is refused with one clear line, nothing on disk touched.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+from lmsys import checkpoint as ckpt
+from tests.train.conftest import MAX_STEPS, child_env, copy_run, run_train, train_command
+from tests.train.reference import plain_losses
+
+pytestmark = pytest.mark.slow
+
+
+def snapshot(directory):
+    return {
+        str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def killed_run(runs, tmp_path_factory):
+    """2 processes, ZeRO-2, slowed to 1 s per step; SIGKILL to the torchrun launcher as soon as
+    checkpoint step_0000004 is complete. torchrun starts each worker in its own session, so the
+    workers only die because lmsys.train asks the kernel to kill them with their parent
+    (PR_SET_PDEATHSIG); any survivor is killed here and reported by a test.
+    Returns (run_dir, steps logged before the kill, pids of workers that outlived the launcher)."""
+    import psutil
+
+    root = tmp_path_factory.mktemp("killed")
+    run_dir = root / "run"
+    overrides = [
+        *runs.overrides("2proc-zero2"),
+        "trainer.debug_step_delay_s=1.0",
+        f"trainer.run_dir={run_dir}",
+    ]
+    proc = subprocess.Popen(
+        train_command(2, overrides),
+        cwd=root,
+        env=child_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    marker = run_dir / ckpt.CHECKPOINTS / "step_0000004" / ckpt.MARKER
+    deadline = time.monotonic() + 300
+    workers: list = []
+    try:
+        while not marker.exists():
+            if proc.poll() is not None:
+                pytest.fail(f"the run ended before it could be killed:\n{proc.stderr.read().decode()}")
+            if time.monotonic() > deadline:
+                pytest.fail("no checkpoint within 300 s")
+            time.sleep(0.05)
+        workers = psutil.Process(proc.pid).children(recursive=True)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stderr.close()
+    _, survivors = psutil.wait_procs(workers, timeout=20)
+    for p in survivors:
+        p.kill()
+    psutil.wait_procs(survivors, timeout=20)
+    from lmsys.metrics import read_metrics
+
+    steps = [r["step"] for r in read_metrics(run_dir, "train")]
+    return run_dir, steps, [p.pid for p in survivors]
+
+
+@pytest.fixture(scope="module")
+def resumed_run(runs, killed_run):
+    run_dir, _, _ = killed_run
+    return run_train("resumed", 2, runs.overrides("2proc-zero2"), run_dir, cwd=run_dir.parent)
+
+
+def test_kill9_leaves_a_run_mid_way(killed_run):
+    run_dir, steps, survivors = killed_run
+    assert 4 <= max(steps) < MAX_STEPS, steps
+    assert survivors == [], "workers outlived the killed torchrun launcher"
+    assert ckpt.find_latest(run_dir, lambda m: None)[0].name == "step_0000004"
+
+
+def test_resume_after_kill9_reproduces_the_losses_exactly(runs, resumed_run):
+    run = resumed_run.check()
+    assert "resumed from" in run.stdout and "step_0000004 (step 4)" in run.stdout
+    assert run.losses() == runs.get("2proc-zero2").check().losses()  # bit for bit
+    assert [r["step"] for r in run.records("eval")] == [3, 6]  # no duplicated records
+    tags = sorted(p.name for p in (run.run_dir / ckpt.CHECKPOINTS).iterdir())
+    assert tags == [
+        "latest",
+        "step_0000002",
+        "step_0000004",
+        "step_0000006",
+        "zero_to_fp32.py",
+        "zero_to_torch.py",
+    ]
+    assert (run.run_dir / ckpt.CHECKPOINTS / "latest").read_text() == "step_0000006"
+
+
+@pytest.fixture(scope="module")
+def fallback_run(runs, tmp_path_factory):
+    """The 1-process run's directory with its newest checkpoint (6) truncated, a partial step 8
+    (no marker) and a leftover temporary directory; resumed with the same config."""
+    reference = runs.get("1proc").check()
+    run_dir = copy_run(reference, tmp_path_factory.mktemp("fallback") / "run")
+    root = run_dir / ckpt.CHECKPOINTS
+    victim = next((root / "step_0000006").glob("*optim_states.pt"))
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    shutil.copytree(root / "step_0000004", root / "step_0000008")
+    (root / "step_0000008" / ckpt.MARKER).unlink()
+    shutil.copytree(root / "step_0000002", root / ".tmp-step_0000007")
+    overrides = [o for o in runs.overrides("1proc") if not o.startswith("logger")] + ["logger=none"]
+    return run_train("fallback", 1, overrides, run_dir, cwd=run_dir.parent)
+
+
+def test_corrupt_and_partial_checkpoints_fall_back(runs, fallback_run):
+    run = fallback_run.check()
+    warnings = [line for line in run.stderr.splitlines() if "warning" in line]
+    assert any("step_0000008" in w and "lmsys_checkpoint.json" in w for w in warnings), run.stderr
+    assert any("step_0000006" in w and "truncated" in w for w in warnings), run.stderr
+    assert "step_0000004 (step 4)" in run.stdout
+    assert run.losses() == runs.get("1proc").losses()
+    root = run.run_dir / ckpt.CHECKPOINTS
+    assert ckpt.verify(root / "step_0000006")["state"]["step"] == 6  # written again, whole
+    assert not list(root.glob(".tmp-*"))
+
+
+def test_resume_with_another_model_is_refused(runs, fallback_run, tmp_path):
+    run_dir = fallback_run.check().run_dir
+    before = snapshot(run_dir)
+    overrides = [o for o in runs.overrides("1proc") if not o.startswith("logger")] + ["logger=none"]
+    run = run_train("other-model", 1, [*overrides, "model.d_model=48"], run_dir, cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert lines[-1].startswith("lmsys-train: error: cannot resume: the model differs"), run.stderr
+    assert "model.d_model=48 (checkpoint: 32)" in lines[-1]
+    assert "Traceback" not in run.stderr
+    assert snapshot(run_dir) == before
+    assert not (tmp_path / "runs").exists()
+
+
+def test_dead_rank_ends_the_attempt_and_max_restarts_resumes(runs, tmp_path):
+    """Rank 1 exits at step 3 on the first attempt (after checkpoint 2); torchrun restarts both
+    ranks, which find the same default run directory and resume from step 2. Step 5 is made NaN
+    on purpose: ZeRO-2 discards it (a skip), so the losses are those of a plain loop without it.
+    Document boundaries are masked, so the ranks' loss-weight sums differ and the step's weighted
+    mean needs the all-reduced total (without masking lmsys knows it without communicating)."""
+    masked = [*runs.overrides("2proc-zero2"), "data.mask_doc_boundaries=true"]
+    overrides = [*masked, "trainer.debug_crash_at_step=3", "trainer.debug_nan_steps=[5]"]
+    cmd = train_command(2, overrides, max_restarts=1)
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert time.monotonic() - start < 300  # the survivor did not sit out a collective timeout
+    assert "rank 1 exits at step 3" in proc.stdout
+    assert "step_0000002 (step 2)" in proc.stdout
+    run_dirs = [p for p in (tmp_path / "runs").iterdir()]
+    assert len(run_dirs) == 1 and run_dirs[0].name.startswith("tiny-"), run_dirs
+    from lmsys.metrics import read_metrics
+
+    records = {r["step"]: r for r in read_metrics(run_dirs[0], "train")}
+    assert sorted(records) == list(range(1, MAX_STEPS + 1))
+    assert records[5]["skipped"] is True and records[5]["loss"] is None
+    assert "step 5: loss is nan; skipped the update" in proc.stderr
+    want = plain_losses(masked, skip_steps={5})
+    for step, loss in want.items():
+        assert records[step]["loss"] == pytest.approx(loss, rel=1e-5), (step, records, want)
+
+
+def test_resume_with_another_tokenizer_is_refused(runs, fallback_run, tmp_path):
+    """Same shards, but a tokenizer.model with other bytes (its sha256 recorded in the manifest):
+    the checkpoint's token ids would mean other pieces, so resuming is refused."""
+    import hashlib
+    import json
+
+    run_dir = fallback_run.check().run_dir
+    before = snapshot(run_dir)
+    data = tmp_path / "data"
+    shutil.copytree(runs.data_dir, data)
+    tokenizer = data / "tokenizer.model"
+    tokenizer.write_bytes(tokenizer.read_bytes() + b"\0")
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["tokenizer"]["sha256"] = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    overrides = [o for o in runs.overrides("1proc") if not o.startswith(("logger", "data.dir"))]
+    run = run_train(
+        "other-tokenizer", 1, [*overrides, "logger=none", f"data.dir={data}"], run_dir, cwd=tmp_path
+    )
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert lines[-1].startswith("lmsys-train: error: cannot resume: the data's tokenizer"), run.stderr
+    assert "Traceback" not in run.stderr
+    assert snapshot(run_dir) == before
