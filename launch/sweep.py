@@ -1,0 +1,277 @@
+"""lmsys sweep launcher: every job of a Hydra sweep is its own torchrun launch, then a summary.
+
+    python -m launch.sweep --nproc 2 -- optim.lr=1e-3,3e-4 model=tiny,seed_trax trainer.max_steps=500
+    python -m launch.sweep --sweep-dir runs/lr-sweep -- optim.lr=range(1,4)   # again: finishes what is left
+
+The overrides are expanded exactly as `lmsys-train -m` would (Hydra's override grammar and
+BasicSweeper: the cartesian product of comma lists, range(), glob()), every job's config is
+composed and validated, its batch arithmetic checked for the job's world size (processes x nodes)
+and the launcher options checked, all before the first job starts (a misspelled key is one error
+line, exit 2), then the jobs run one after the other, each as
+
+    python launch/torchrun.py --nproc N ... -- <job overrides> \
+        trainer.run_dir=<sweep_dir>/<num> logger.group=<name>
+
+(`python -m lmsys.train` directly when --nproc is 1). Each job thus has its own run directory and
+its own W&B run, grouped under the sweep's name (the sweep directory's name unless --name or a
+logger.group override is given). `<sweep_dir>/sweep.json` records every job's overrides, status,
+exit code and duration as it goes; at the end `lmsys.sweep.summarize` prints the comparison table
+and writes summary.csv and losses.png into the sweep directory.
+
+Running the same command with the same --sweep-dir again skips the completed jobs and restarts
+the others (trainer.resume=auto continues each from its newest checkpoint): a sweep inside a
+requeued SLURM job picks up where it stopped. A job that fails stops the sweep (exit status of
+the job) unless --keep-going. Options other than those below (--nnodes, --rdzv-*, ...) go to
+launch/torchrun.py for every job.
+
+Over several nodes: the same command on every node with the same --sweep-dir (shared filesystem);
+each job gets a rendezvous id of its own (`<id>-job<num>`: torchrun closes a rendezvous when its
+run ends) and node 0 alone writes sweep.json and the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # `python launch/sweep.py` as well as `python -m launch.sweep`
+    sys.path.insert(0, str(REPO_ROOT))
+
+from launch.torchrun import LaunchError, Plan, make_plan  # noqa: E402
+from launch.torchrun import build_parser as launcher_parser  # noqa: E402
+from lmsys.config import ConfigError  # noqa: E402
+from lmsys.sweep import SWEEP_FILE, check_jobs, expand_sweep, summarize, sweep_name  # noqa: E402
+
+PROG = "lmsys-sweep"
+TORCHRUN = Path(__file__).resolve().with_name("torchrun.py")
+RESERVED = ("trainer.run_dir",)
+
+
+def _key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+def launch_plan(nproc: int | None, launcher_args: list[str]) -> Plan | None:
+    """What launch/torchrun.py will do for every job (None: one plain process per job); checked
+    before the first job starts, so bad launcher options or environment fail at once."""
+    if nproc == 1 and not launcher_args:
+        return None
+    nproc_args = [] if nproc is None else ["--nproc", str(nproc)]
+    return make_plan(launcher_parser().parse_args([*nproc_args, *launcher_args]), os.environ)
+
+
+def job_command(
+    job: list[str],
+    num: int,
+    nproc: int | None,
+    launcher_args: list[str],
+    plan: Plan | None,
+    run_dir: Path,
+    group: str | None,
+) -> list[str]:
+    overrides = [*job, f"trainer.run_dir={run_dir}"]
+    if group is not None:
+        overrides.append(f"logger.group={group}")
+    if plan is None:
+        return [sys.executable, "-m", "lmsys.train", *overrides]
+    nproc_args = [] if nproc is None else ["--nproc", str(nproc)]
+    rdzv_args = []
+    if plan.rdzv_id is not None:
+        # torchrun closes a c10d rendezvous when its run ends: each multi-node job needs an id of its
+        # own, the same on every node (derived from the one launch/torchrun.py would pick).
+        launcher_args = _drop_option(launcher_args, "--rdzv-id")
+        rdzv_args = ["--rdzv-id", f"{plan.rdzv_id}-job{num}"]
+    return [sys.executable, str(TORCHRUN), *nproc_args, *launcher_args, *rdzv_args, "--", *overrides]
+
+
+def _drop_option(args: list[str], name: str) -> list[str]:
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == name:
+            skip = True
+        elif not arg.startswith(name + "="):
+            out.append(arg)
+    return out
+
+
+def _write_index(path: Path, index: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(index, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    # the workers import lmsys from the repository even when it is not installed
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def run_job(command: list[str]) -> int:
+    """Run one job in the foreground; Ctrl-C / SIGTERM stop it and end the sweep."""
+    proc = subprocess.Popen(command, env=_env())
+    forwarded: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        forwarded.append(signum)
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        while True:
+            try:
+                code = proc.wait()
+                break
+            except KeyboardInterrupt:  # the terminal sent SIGINT to the job too; wait for it to stop
+                forwarded.append(signal.SIGINT)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if forwarded:
+        raise KeyboardInterrupt
+    return code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m launch.sweep",
+        description="Run every job of a Hydra sweep as its own torchrun launch, then summarize the sweep.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--nproc", type=int, help="processes per job (default: launch/torchrun.py's choice)")
+    parser.add_argument("--sweep-dir", help="where the jobs' run directories go (default runs/sweep-<time>)")
+    parser.add_argument("--name", help="W&B group of the jobs (default: the sweep directory's name)")
+    parser.add_argument("--keep-going", action="store_true", help="run the remaining jobs after a failure")
+    parser.add_argument("--dry-run", action="store_true", help="print the jobs' commands and exit")
+    parser.add_argument("--no-plot", action="store_true", help="no losses.png in the summary")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" in argv:
+        split = argv.index("--")
+        ours, overrides = argv[:split], argv[split + 1 :]
+        args, launcher_args = build_parser().parse_known_args(ours)
+    else:
+        args, rest = build_parser().parse_known_args(argv)
+        launcher_args = [a for a in rest if a.startswith("-")]
+        overrides = [a for a in rest if not a.startswith("-")]
+        if launcher_args:  # an option's value would be taken for an override: ask for `--`
+            print(
+                f"{PROG}: error: put the sweep overrides after `--` when passing {launcher_args[0]}",
+                file=sys.stderr,
+            )
+            return 2
+    try:
+        if any(_key(o) in RESERVED for o in overrides):
+            raise ConfigError(
+                "trainer.run_dir is set per job (<sweep_dir>/<job number>); use --sweep-dir instead"
+            )
+        plan = launch_plan(args.nproc, launcher_args)
+        if plan is not None and plan.nnodes > 1 and not args.sweep_dir:
+            raise ConfigError(
+                f"a sweep over {plan.nnodes} nodes needs --sweep-dir, the same on every node "
+                "(on a shared filesystem)"
+            )
+        jobs = expand_sweep(overrides)
+        check_jobs(jobs, world_size=1 if plan is None else plan.nproc * plan.nnodes)
+    except ConfigError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except LaunchError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        return exc.code
+    # Every node runs every job; node 0 alone keeps sweep.json and writes the summary.
+    primary = plan is None or plan.node_rank == 0
+    sweep_dir = Path(args.sweep_dir or f"runs/sweep-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    group = (
+        None if any(_key(o) == "logger.group" for o in overrides) else (args.name or sweep_name(sweep_dir))
+    )
+    commands = [
+        job_command(job, i, args.nproc, launcher_args, plan, sweep_dir / str(i), group)
+        for i, job in enumerate(jobs)
+    ]
+    if args.dry_run:
+        for i, command in enumerate(commands):
+            print(f"job {i}: {' '.join(command)}")
+        return 0
+
+    index_path = sweep_dir / SWEEP_FILE
+    index = {"sweep_dir": str(sweep_dir), "group": group, "overrides": overrides, "jobs": []}
+    if index_path.is_file():
+        old = json.loads(index_path.read_text(encoding="utf-8"))
+        if [j["overrides"] for j in old.get("jobs", [])] != jobs:
+            print(
+                f"{PROG}: error: {sweep_dir} holds another sweep ({' '.join(old.get('overrides', []))}); "
+                "choose another --sweep-dir",
+                file=sys.stderr,
+            )
+            return 2
+        index["jobs"] = old["jobs"]
+    else:
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        index["jobs"] = [
+            {"num": i, "overrides": job, "run_dir": str(sweep_dir / str(i)), "status": "pending"}
+            for i, job in enumerate(jobs)
+        ]
+    save = (lambda: _write_index(index_path, index)) if primary else (lambda: None)
+    save()
+    print(f"{PROG}: {len(jobs)} job(s) in {sweep_dir} (W&B group {group or 'from logger.group'})", flush=True)
+
+    exit_code = 0
+    try:
+        for i, (entry, command) in enumerate(zip(index["jobs"], commands)):
+            if entry["status"] == "completed":
+                print(f"{PROG}: job {i}/{len(jobs)}: already completed, skipped", flush=True)
+                continue
+            print(f"{PROG}: job {i}/{len(jobs)}: {' '.join(entry['overrides'])}", flush=True)
+            entry.update(status="running", started=datetime.now().isoformat(timespec="seconds"))
+            save()
+            t0 = time.perf_counter()
+            try:
+                code = run_job(command)
+            except KeyboardInterrupt:
+                entry.update(status="interrupted", returncode=130, seconds=round(time.perf_counter() - t0, 1))
+                raise
+            entry.update(
+                status="completed" if code == 0 else "failed",
+                returncode=code,
+                seconds=round(time.perf_counter() - t0, 1),
+            )
+            save()
+            if code != 0:
+                print(f"{PROG}: job {i} failed with exit status {code}", file=sys.stderr, flush=True)
+                exit_code = exit_code or code
+                if not args.keep_going:
+                    break
+    except KeyboardInterrupt:
+        save()
+        print(
+            f"{PROG}: interrupted; run the same command again to finish the sweep",
+            file=sys.stderr,
+            flush=True,
+        )
+        exit_code = 130
+    if not primary:
+        return exit_code
+    try:
+        summarize(sweep_dir, plot_png=not args.no_plot)
+    except ConfigError as exc:
+        print(f"{PROG}: warning: no summary: {exc}", file=sys.stderr, flush=True)
+    return exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""SLURM for real, on a one-machine cluster started by the test (tests/launch/slurm_cluster.py):
+launch/slurm.sbatch trains with 2 ranks, requeues itself on SIGUSR1 once it has a checkpoint and
+resumes to the uninterrupted run's losses; a node count that does not match the allocation fails
+with one line; a Hydra sweep through hydra-submitit-launcher (hydra/launcher=slurm) runs 2 tiny
+jobs of 2 SLURM tasks (2 ranks) each as SLURM jobs and summarizes them.
+
+Marked `slurm` (deselect with -m "not slurm"); skipped, with the reason printed, only where SLURM
+cannot be installed."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.launch.conftest import REPO_ROOT, assert_trained, child_env, losses, run, run_meta
+from tests.launch.test_sweep import wandb_groups
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+SBATCH = REPO_ROOT / "launch" / "slurm.sbatch"
+
+
+def job_output(path: Path) -> str:
+    return path.read_text(errors="replace") if path.is_file() else f"(no {path})"
+
+
+def wait_until(what: str, check, timeout_s: float, context) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:.0f} s\n{context()}")
+        time.sleep(0.2)
+
+
+def test_sbatch_trains_two_ranks_and_resumes_after_requeue(slurm, tiny, one_node, tmp_path):
+    """`sbatch --ntasks=2 launch/slurm.sbatch` trains 2 ranks through a c10d rendezvous on the
+    allocation's node. SIGUSR1 (what --signal=B:USR1@600 sends before the time limit) before any
+    checkpoint does not requeue; after step 3's checkpoint it requeues the job, which starts again
+    with the same job id and run directory and resumes from step 3 (trainer.resume=auto): the
+    losses are those of the uninterrupted run."""
+    run_dir = tmp_path / "run"
+    env = child_env(PYTHON=sys.executable, RUN_DIR=str(run_dir), RDZV_TIMEOUT="120")
+    job = slurm.sbatch(
+        ["--ntasks=2", "--time=30", f"--output={tmp_path}/slurm-%j.out", f"--chdir={REPO_ROOT}"],
+        SBATCH,
+        [*tiny, "trainer.debug_step_delay_s=2"],  # a window of >= 6 s between checkpoints 3 and 6
+        env,
+    )
+    log_path = tmp_path / f"slurm-{job}.out"
+
+    def context() -> str:
+        return f"{slurm.job(job)}\n{job_output(log_path)}\n{slurm.tail()}"
+
+    def latest() -> str:
+        path = run_dir / "checkpoints" / "latest"
+        return path.read_text().strip() if path.is_file() else ""
+
+    # The launcher's first line comes after the script installed its USR1 trap.
+    wait_until("launcher started", lambda: "lmsys-launch:" in job_output(log_path), 300, context)
+    assert latest() == ""
+    slurm.signal_batch(job, "USR1")  # no checkpoint of this allocation yet: no requeue
+    wait_until("step 3 checkpoint", lambda: latest() == "step_0000003", 300, context)
+    slurm.signal_batch(job, "USR1")  # now the job requeues itself
+    slurm.start_now(job)
+    info = slurm.wait(job, 400)
+    log = job_output(log_path)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", context()
+    assert info["Requeue"] == "1"  # #SBATCH --requeue
+    assert f"lmsys-slurm: job {job} restart 0: 1 node(s) x 2 process(es) (CPU: tasks per node)" in log
+    assert "(this node hosts the store)" in log  # c10d rendezvous on the allocation's first node
+    assert log.count("no new checkpoint since this allocation started: not requeueing") == 1, log
+    assert f"requeueing job {job} (newest checkpoint step_0000003)" in log, log
+    assert f"lmsys-slurm: job {job} restart 1:" in log, log
+    launches = run_meta(run_dir)["launches"]
+    assert [launch["resumed_from"] for launch in launches][0] is None
+    assert len(launches) == 2 and launches[1]["resumed_from"].endswith("step_0000003"), launches
+    got = assert_trained(run_dir, world_size=2)
+    for step in range(1, 7):
+        assert got[step] == pytest.approx(one_node[step], rel=1e-5), (got, one_node)
+
+
+def test_sbatch_node_count_mismatch_is_one_error_line(slurm, tmp_path):
+    env = child_env(PYTHON=sys.executable, NNODES="2", RUN_DIR=str(tmp_path / "never"))
+    job = slurm.sbatch(
+        ["--nodes=1", f"--output={tmp_path}/slurm-%j.out", f"--chdir={REPO_ROOT}"], SBATCH, [], env
+    )
+    info = slurm.wait(job, 120)
+    log = job_output(tmp_path / f"slurm-{job}.out")
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", f"{info}\n{log}"
+    errors = [ln for ln in log.splitlines() if "error" in ln]
+    assert len(errors) == 1 and errors[0].startswith("lmsys-slurm: error: NNODES=2 but job"), log
+    assert not (tmp_path / "never").exists()
+
+
+def test_hydra_submitit_sweep_on_slurm(slurm, tiny, one_node, tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install hydra-submitit-launcher")
+    sweep_dir = tmp_path / "slurm-sweep"
+    command = [
+        sys.executable,
+        "-m",
+        "lmsys.train",
+        "-m",
+        "hydra/launcher=slurm",
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
+    # 2 tasks per job: each task is a rank (lmsys.sweep.submitit_distributed_env); 2 CPUs, so the
+    # jobs run one after the other.
+    command += ["hydra.launcher.timeout_min=10", "hydra.launcher.tasks_per_node=2"]
+    command += [*tiny, "logger=wandb_offline"]
+    proc = run([*command, "optim.lr=3e-3,1e-3"], timeout=500, env=slurm.env(child_env()))
+    logs = "\n".join(f"--- {p}\n{job_output(p)[-2000:]}" for p in sorted(sweep_dir.glob(".submitit/*/*.out")))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs
+    for num in (0, 1):
+        assert_trained(sweep_dir / str(num), world_size=2, proc=proc)
+        assert wandb_groups(sweep_dir / str(num)) == ["slurm-sweep"]
+    # one SLURM job (array task) per sweep job, each with 2 tasks
+    assert sorted(p.name for p in sweep_dir.glob(".submitit/*/*_result.pkl"))[-1].endswith("_1_1_result.pkl")
+    assert len({p.parent.name for p in sweep_dir.glob(".submitit/*/*_result.pkl")}) == 2
+    # job 0 is the reference config (optim.lr=3e-3, 2 ranks): the same losses
+    got = losses(sweep_dir / "0")
+    assert got == pytest.approx(one_node, rel=1e-5), (got, one_node)
+    assert "lmsys-sweep: 2 job(s)" in proc.stdout
+    assert (sweep_dir / "summary.csv").is_file() and (sweep_dir / "losses.png").is_file()

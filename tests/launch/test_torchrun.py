@@ -1,0 +1,233 @@
+"""launch/torchrun.py: how it decides nodes, processes and the rendezvous; two "nodes" on
+127.0.0.1 train exactly like two processes on one node; an elastic restart resumes from the
+checkpoint; a silent endpoint, a lonely node 0 and a wrong node count fail fast with one line."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import time
+
+import pytest
+
+from launch.torchrun import LaunchError, build_parser, make_plan
+from tests.launch.conftest import (
+    MAX_STEPS,
+    REPO_ROOT,
+    assert_trained,
+    child_env,
+    free_port,
+    launcher,
+    losses,
+    one_error_line,
+    run,
+    run_meta,
+)
+
+RTOL = 1e-6
+
+
+def plan(argv: list[str], env: dict[str, str]):
+    args: argparse.Namespace = build_parser().parse_args(argv)
+    return make_plan(args, {"CUDA_VISIBLE_DEVICES": "", **env})
+
+
+# ----------------------------------------------------------------------------- decisions (no processes)
+
+
+def test_one_node_is_standalone_with_two_cpu_processes():
+    p = plan(["--", "model=tiny"], {})
+    assert (p.nproc, p.nnodes, p.endpoint) == (2, 1, None)
+    args = p.torchrun_args(["model=tiny"])
+    assert "--standalone" in args and "--nproc-per-node=2" in args
+    assert args[-3:] == ["-m", "lmsys.train", "model=tiny"]
+
+
+def test_nproc_from_argument_env_and_slurm_gpus():
+    assert plan(["--nproc", "3"], {"NPROC": "5"}).nproc == 3
+    assert plan([], {"NPROC": "5"}).nproc == 5
+    assert plan([], {"SLURM_GPUS_ON_NODE": "8"}).nproc == 8
+    assert plan([], {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}).nproc == 4
+
+
+def test_many_nodes_from_master_addr_and_port():
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555", "NNODES": "2", "NODE_RANK": "1"}
+    p = plan(["--nproc", "1"], env)
+    assert (p.nnodes, p.node_rank, p.endpoint, p.hosts_store) == (2, 1, "127.0.0.1:29555", False)
+    args = p.torchrun_args([])
+    assert "--rdzv-backend=c10d" in args and "--nnodes=2" in args
+    assert any(a.startswith("--rdzv-conf=join_timeout=") and "is_host=false" in a for a in args)
+    assert p.rdzv_id == plan(["--nproc", "1"], {**env, "NODE_RANK": "0"}).rdzv_id  # same id on every node
+    assert plan(["--nproc", "1"], {**env, "NODE_RANK": "0"}).hosts_store is True
+
+
+def test_rdzv_endpoint_wins_over_master_addr():
+    env = {"RDZV_ENDPOINT": "10.1.2.3:1234", "MASTER_ADDR": "127.0.0.1", "NNODES": "2", "NODE_RANK": "1"}
+    assert plan([], env).endpoint == "10.1.2.3:1234"
+    assert plan(["--rdzv-endpoint", "10.9.9.9"], env).endpoint == "10.9.9.9:29400"
+
+
+def test_slurm_allocation_gives_nodes_rank_and_id():
+    env = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NUM_NODES": "4",
+        "SLURM_NODEID": "2",
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NUM_TASKS": "4",
+        "SLURM_GPUS_ON_NODE": "8",
+    }
+    p = plan(["--rdzv-endpoint", "node001:29400"], env)
+    assert (p.nnodes, p.node_rank, p.nproc, p.rdzv_id, p.hosts_store) == (4, 2, 8, "4242", False)
+
+
+@pytest.mark.parametrize(
+    "argv, env, message",
+    [
+        (["--nnodes", "2"], {}, "need a rendezvous endpoint"),
+        (
+            ["--nnodes", "2"],
+            {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1"},
+            "does not match the SLURM allocation",
+        ),
+        (
+            [],
+            {"NNODES": "3", "SLURM_JOB_ID": "7", "SLURM_NNODES": "2"},
+            "does not match the SLURM allocation",
+        ),
+        (
+            ["--rdzv-endpoint", "h:1"],
+            {
+                "SLURM_JOB_ID": "7",
+                "SLURM_JOB_NUM_NODES": "2",
+                "SLURM_STEP_ID": "0",
+                "SLURM_STEP_NUM_TASKS": "4",
+            },
+            "run exactly one per node",
+        ),
+        (["--rdzv-endpoint", "h:1"], {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2"}, "outside a job step"),
+        (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], {}, "not below the node count"),
+        (["--rdzv-endpoint", "h:99999"], {}, "not in 1..65535"),
+        (["--nproc", "0"], {}, "must be >= 1"),
+    ],
+)
+def test_bad_input_is_a_launch_error(argv, env, message):
+    with pytest.raises(LaunchError, match=message):
+        plan(argv, env)
+
+
+def test_node_count_mismatch_is_one_line_exit_2():
+    proc = run(
+        launcher("--nnodes", "2", "--", "model=tiny"), env=child_env(SLURM_JOB_ID="99", SLURM_NNODES="1")
+    )
+    assert proc.returncode == 2
+    line = one_error_line(proc.stderr, "lmsys-launch: error:")
+    assert "--nnodes=2" in line and "1 node(s)" in line
+
+
+# ----------------------------------------------------------------------------- rendezvous failures
+
+
+def test_silent_endpoint_fails_with_one_line_not_a_hang():
+    port = free_port()  # nothing listens there
+    t0 = time.monotonic()
+    proc = run(
+        launcher("--nnodes", "2", "--node-rank", "1", "--nproc", "1", "--rdzv-endpoint", f"127.0.0.1:{port}")
+        + ["--rdzv-timeout", "2", "--", "model=tiny"],
+        timeout=60,
+    )
+    assert proc.returncode == 3, proc.stderr
+    line = one_error_line(proc.stderr, "lmsys-launch: error:")
+    assert f"127.0.0.1:{port} did not answer within 2 s" in line
+    assert time.monotonic() - t0 < 30
+
+
+def test_node_zero_alone_times_out_with_one_line():
+    """Node 0 hosts the store but the other node never comes: c10d join_timeout, not a hang."""
+    port = free_port()
+    proc = run(
+        launcher("--nnodes", "2", "--node-rank", "0", "--nproc", "1", "--rdzv-endpoint", f"127.0.0.1:{port}")
+        + ["--rdzv-timeout", "3", "--", "model=tiny"],
+        timeout=120,
+    )
+    assert proc.returncode == 3, proc.stderr
+    error_lines = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
+    assert (
+        error_lines[-1].startswith("lmsys-launch: error: rendezvous 127.0.0.1:")
+        and "timed out after 3 s" in (error_lines[-1])
+    ), proc.stderr
+
+
+# ----------------------------------------------------------------------------- real training
+
+
+@pytest.mark.slow
+def test_two_nodes_train_like_one_node(one_node, tiny, tmp_path):
+    port = free_port()
+    run_dir = tmp_path / "run"
+    common = [
+        "--nnodes",
+        "2",
+        "--nproc",
+        "1",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-timeout",
+        "120",
+    ]
+    overrides = ["--", *tiny, f"trainer.run_dir={run_dir}"]
+    nodes = [
+        subprocess.Popen(
+            launcher(*common, "--node-rank", str(rank), *overrides),
+            cwd=REPO_ROOT,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = []
+    try:
+        for node in nodes:
+            outputs.append(node.communicate(timeout=300))
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    for node, (out, err) in zip(nodes, outputs):
+        assert node.returncode == 0, out[-3000:] + err[-3000:]
+    assert "(this node hosts the store)" in outputs[0][0]
+    got = assert_trained(run_dir, world_size=2)
+    for step in range(1, MAX_STEPS + 1):
+        assert got[step] == pytest.approx(one_node[step], rel=RTOL), (got, one_node)
+
+
+@pytest.mark.slow
+def test_elastic_restart_resumes_from_the_checkpoint(one_node, tiny, tmp_path):
+    """The last rank exits at step 4 on the first attempt (trainer.debug_crash_at_step); torchrun
+    restarts the group (--max-restarts 1) and trainer.resume=auto continues from step 3."""
+    run_dir = tmp_path / "run"
+    proc = run(
+        launcher("--nproc", "2", "--max-restarts", "1", "--")
+        + [*tiny, f"trainer.run_dir={run_dir}", "trainer.debug_crash_at_step=4", "trainer.resume=auto"]
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "exits at step 4" in proc.stdout + proc.stderr
+    launches = run_meta(run_dir)["launches"]
+    assert [launch["torchelastic_restart"] for launch in launches] == [0, 1]
+    assert launches[0]["resumed_from"] is None and launches[1]["resumed_from"].endswith("step_0000003")
+    got = assert_trained(run_dir, world_size=2)
+    for step in range(1, MAX_STEPS + 1):
+        assert got[step] == pytest.approx(one_node[step], rel=1e-5), (got, one_node)
+
+
+@pytest.mark.slow
+def test_worker_failure_without_restarts_is_reported(tiny, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run(
+        launcher("--nproc", "2", "--")
+        + [*tiny, f"trainer.run_dir={run_dir}", "trainer.debug_crash_at_step=2"]
+    )
+    assert proc.returncode == 13, proc.stderr[-3000:]
+    assert proc.stderr.rstrip().splitlines()[-1].startswith("lmsys-launch: error: worker rank 1")
+    assert max(losses(run_dir), default=0) <= 2  # the job stopped there
