@@ -10,7 +10,6 @@ the first time any of them is needed, so their start-up costs overlap.
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.stdlib_text import module_docstrings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -118,13 +119,7 @@ def _write_corpus(directory: Path) -> None:
     modules = ["json", "argparse", "collections", "functools", "itertools", "pathlib", "re", "os",
                "textwrap", "string", "heapq", "bisect"]  # fmt: skip
     for i, name in enumerate(modules):
-        module = importlib.import_module(name)
-        parts = [module.__doc__ or ""]
-        for attr in sorted(dir(module)):
-            doc = getattr(getattr(module, attr, None), "__doc__", None)
-            if not attr.startswith("_") and isinstance(doc, str):
-                parts.append(doc)
-        (directory / f"doc_{i:02d}.txt").write_text("\n\n".join(p for p in parts if p), encoding="utf-8")
+        (directory / f"doc_{i:02d}.txt").write_text("\n\n".join(module_docstrings(name)), encoding="utf-8")
 
 
 @pytest.fixture(scope="session")

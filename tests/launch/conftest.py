@@ -5,17 +5,16 @@ launchers under test, with free ports."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 
 from tests.launch.slurm_cluster import SlurmCluster, SlurmUnavailable, ensure_installed, free_port
+from tests.stdlib_text import module_docstrings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 512
@@ -139,15 +138,7 @@ def _write_corpus(directory: Path) -> None:
     for i, name in enumerate(
         ["json", "argparse", "collections", "functools", "pathlib", "re", "typing", "datetime"]
     ):
-        module = importlib.import_module(name)
-        parts = [module.__doc__ or ""]
-        for attr in sorted(dir(module)):
-            with warnings.catch_warnings():  # typing.io and typing.re are deprecated aliases
-                warnings.simplefilter("ignore", DeprecationWarning)
-                doc = None if attr.startswith("_") else getattr(getattr(module, attr, None), "__doc__", None)
-            if isinstance(doc, str):
-                parts.append(doc)
-        (directory / f"doc_{i:02d}.txt").write_text("\n\n".join(p for p in parts if p), encoding="utf-8")
+        (directory / f"doc_{i:02d}.txt").write_text("\n\n".join(module_docstrings(name)), encoding="utf-8")
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ batch is 8 sequences whatever the number of processes, so every run sees the sam
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shutil
@@ -20,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from tests.stdlib_text import module_docstrings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -231,13 +232,8 @@ def _write_corpus(directory: Path) -> None:
     ]  # fmt: skip
     with open(directory / "docstrings.jsonl", "w", encoding="utf-8") as f:
         for name in modules:
-            module = importlib.import_module(name)
-            docs = [module.__doc__]
-            for attr in sorted(dir(module)):
-                if not attr.startswith("_"):
-                    docs.append(getattr(getattr(module, attr, None), "__doc__", None))
-            for doc in docs:
-                if isinstance(doc, str) and doc.strip():
+            for doc in module_docstrings(name):
+                if doc.strip():
                     f.write(json.dumps({"text": doc}) + "\n")
 
 
