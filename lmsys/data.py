@@ -100,6 +100,13 @@ class PreparedData:
             self._splits[name] = SplitTokens(self.dir, shards, self.dtype)
         return self._splits[name]
 
+    def check_sequences(self, tokens_per_sample: int) -> None:
+        """Refuse data whose train or val split cannot fill one sequence (before a run starts)."""
+        for split in ("train", "val"):
+            n_tokens = len(self.split(split))
+            if n_tokens < tokens_per_sample:
+                raise too_short(self.dir, split, n_tokens, tokens_per_sample)
+
     def check_model(self, model: ModelConfig) -> None:
         """Refuse a model whose vocabulary differs from the tokenizer the shards were made with."""
         if model.vocab_size != self.vocab_size:
@@ -108,6 +115,14 @@ class PreparedData:
                 f"{self.vocab_size}-piece tokenizer; set model.vocab_size={self.vocab_size} or "
                 f"re-run lmsys-prepare data.dir={self.dir} model.vocab_size={model.vocab_size}"
             )
+
+
+def too_short(data_dir: Path, split: str, n_tokens: int, tokens_per_sample: int) -> DataError:
+    return DataError(
+        f"the {split} split of {data_dir} holds {n_tokens} tokens, fewer than one sequence of "
+        f"{tokens_per_sample}; use more text (or raise data.val_fraction) and prepare again, "
+        "or shorten data.seq_len"
+    )
 
 
 class TokenLoader:
@@ -141,10 +156,7 @@ class TokenLoader:
         self.mask_doc_boundaries = mask_doc_boundaries
         self.num_samples = len(self.tokens) // tokens_per_sample
         if self.num_samples == 0:
-            raise DataError(
-                f"the {split} split of {data.dir} holds {len(self.tokens)} tokens, fewer than one "
-                f"sequence of {tokens_per_sample}; use more text or a shorter data.seq_len"
-            )
+            raise too_short(data.dir, split, len(self.tokens), tokens_per_sample)
         self.micro_batches_per_step = global_batch_size // (micro_batch_size * world_size)
         self.step = 0  # optimizer steps fully consumed
         self.micro = 0  # micro-batches of the current step consumed by this rank
@@ -203,10 +215,7 @@ class TokenLoader:
         tokens = self.tokens if self.split_name == "val" else self.data.split("val")
         num = len(tokens) // self.sample_len
         if num == 0:
-            raise DataError(
-                f"the val split of {self.data.dir} holds {len(tokens)} tokens, fewer than one sequence of "
-                f"{self.sample_len}; raise data.val_fraction and prepare again, or shorten data.seq_len"
-            )
+            raise too_short(self.data.dir, "val", len(tokens), self.sample_len)
         per_round = self.micro_batch * self.world_size
         out = []
         for b in range(count):

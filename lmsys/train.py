@@ -239,6 +239,7 @@ def train(cfg: Config, step_hook: Callable[[int], None] | None = None) -> Path:
     # Everything a user can get wrong is checked before anything is written.
     data = PreparedData(cfg.data.dir)
     data.check_model(cfg.model)
+    data.check_sequences(plan.tokens_per_sample)
     tokenizer_sha = data.tokenizer_sha256
 
     eng.init_distributed(device, t.dist_timeout_s)
@@ -258,9 +259,6 @@ def train(cfg: Config, step_hook: Callable[[int], None] | None = None) -> Path:
     if run_plan.error is not None:
         raise ConfigError(run_plan.error)
     run_dir = Path(run_plan.run_dir)
-    if rank == 0:
-        _write_run_files(run_dir, cfg, run_plan, {"world_size": world, "device": str(device)})
-    dist.barrier()
 
     # Model and engine: identical initialisation on every rank.
     seed_everything(t.seed)
@@ -268,8 +266,6 @@ def train(cfg: Config, step_hook: Callable[[int], None] | None = None) -> Path:
     n_params = model.num_parameters()
     flops_per_token = model.flops_per_token(plan.seq_len)
     engine, einfo, ds_json = eng.initialize(model, cfg, plan, device)
-    if rank == 0:
-        ckpt.atomic_write_text(run_dir / "deepspeed.json", json.dumps(ds_json, indent=1))
 
     loader = TokenLoader(
         data,
@@ -303,6 +299,13 @@ def train(cfg: Config, step_hook: Callable[[int], None] | None = None) -> Path:
         tokens_seen = int(state.get("tokens_seen", 0))
         wandb_id = state.get("wandb_id")
         say(f"{PROG}: resumed from {path} (step {start_step})")
+
+    # Only now, with the checkpoint and loader state accepted, does the run directory change: a
+    # refused resume leaves it as it was.
+    if rank == 0:
+        _write_run_files(run_dir, cfg, run_plan, {"world_size": world, "device": str(device)})
+        ckpt.atomic_write_text(run_dir / "deepspeed.json", json.dumps(ds_json, indent=1))
+    dist.barrier()
 
     config_dict = config_to_dict(cfg)
     logger = None

@@ -68,3 +68,26 @@ def test_bad_config_is_one_line_and_creates_nothing(runs, tmp_path, case):
     assert needle in lines[0], lines[0]
     assert not (tmp_path / "run").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no runs/, outputs/, .hydra
+
+
+def test_a_split_shorter_than_one_sequence_is_refused_before_anything_is_written(runs, tmp_path):
+    """Sequences that fit the train split but not the val split: refused before the first step,
+    not at the first evaluation after checkpoints exist."""
+    import json
+
+    splits = json.loads((runs.data_dir / "manifest.json").read_text())["splits"]
+    seq = splits["val"]["tokens"]  # seq + 1 tokens per sample: one more than the val split holds
+    assert splits["train"]["tokens"] > seq + 1
+    extra = [
+        f"model.max_seq_len={seq}",
+        f"data.seq_len={seq}",
+        "trainer.micro_batch_size=1",
+        f"trainer.global_batch_tokens={seq}",
+    ]
+    overrides = [*runs.overrides("1proc"), "logger=none", *extra]
+    run = run_train("short-val", 1, overrides, tmp_path / "run", cwd=tmp_path)
+    assert run.returncode == 2, run.stdout + run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("lmsys-train: error: the val split of "), run.stderr
+    assert f"fewer than one sequence of {seq + 1}" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

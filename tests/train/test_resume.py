@@ -155,6 +155,24 @@ def test_resume_with_another_model_is_refused(runs, fallback_run, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_resume_with_another_batch_is_refused_and_leaves_the_run_as_it_was(runs, fallback_run, tmp_path):
+    """The loader's saved position is in sequences of the old global batch: continuing with another
+    batch would not reproduce the run. Refused once the checkpoint is read, before the run
+    directory's config.yaml, run.json or deepspeed.json change."""
+    run_dir = fallback_run.check().run_dir
+    before = snapshot(run_dir)
+    overrides = [o for o in runs.overrides("1proc") if not o.startswith("logger")] + ["logger=none"]
+    batch = [o for o in overrides if o.startswith("trainer.global_batch_tokens=")]
+    assert batch, overrides
+    doubled = f"trainer.global_batch_tokens={2 * int(batch[-1].split('=')[1])}"
+    run = run_train("other-batch", 1, [*overrides, doubled], run_dir, cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert lines[-1].startswith("lmsys-train: error: cannot resume the loader: its saved"), run.stderr
+    assert "Traceback" not in run.stderr
+    assert snapshot(run_dir) == before
+
+
 def test_dead_rank_ends_the_attempt_and_max_restarts_resumes(runs, tmp_path):
     """Rank 1 exits at step 3 on the first attempt (after checkpoint 2); torchrun restarts both
     ranks, which find the same default run directory and resume from step 2. Step 5 is made NaN
