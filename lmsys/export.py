@@ -389,11 +389,8 @@ def consolidate(tag_dir: Path) -> dict[str, torch.Tensor]:
     every rank's partition). Stage 0 has no partitions: the module state in
     mp_rank_00_model_states.pt is the whole model. Keys are the engine module's (prefixed)."""
     _prepare_deepspeed_import()
-    zero_files = [
-        f for f in tag_dir.glob("*zero_pp_rank_*_optim_states.pt") if not f.name.startswith("bf16_")
-    ]
     try:
-        if zero_files:
+        if _zero_stage(tag_dir) >= 1:
             from deepspeed.utils import zero_to_fp32
 
             with _quiet_and_safe(zero_to_fp32):
@@ -412,6 +409,19 @@ def consolidate(tag_dir: Path) -> dict[str, torch.Tensor]:
     except Exception as exc:  # truncated zip, refused pickle global, DeepSpeed's own checks
         raise ExportError(f"cannot read checkpoint {tag_dir}: {_load_failure(exc)}") from exc
     return dict(state)
+
+
+def _zero_stage(tag_dir: Path) -> int:
+    """The ZeRO stage the checkpoint was saved at: from its lmsys marker, else from its files.
+    A bf16 run writes its ZeRO 1-3 partitions as `bf16_zero_pp_rank_*` too, and so does stage 0's
+    bf16 optimizer (no partitions: its module state is whole), so file names alone cannot tell."""
+    from lmsys import checkpoint as ckpt
+
+    try:
+        return int(json.loads((tag_dir / ckpt.MARKER).read_text(encoding="utf-8"))["state"]["zero_stage"])
+    except (OSError, ValueError, KeyError, TypeError):
+        plain = [f for f in tag_dir.glob("*zero_pp_rank_*_optim_states.pt") if not f.name.startswith("bf16_")]
+        return 1 if plain else 0
 
 
 def _load_failure(exc: BaseException) -> str:

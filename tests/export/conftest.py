@@ -27,7 +27,12 @@ VOCAB = 512
 SEQ = 32
 # The tiny preset (GPT-2's function, tied embeddings) shrunk to test size.
 SMALL = [f"vocab_size={VOCAB}", "d_model=32", "n_layers=2", "n_heads=2", f"max_seq_len={SEQ}", "ffn.d_ff=64"]
-DS_STAGES = {2: "0,1,2,3", 1: "2,3"}  # world size -> ZeRO stages checkpointed by ds_checkpoints.py
+# job name -> (world size, ZeRO stages checkpointed by ds_checkpoints.py, extra overrides)
+DS_JOBS = {
+    "w2": (2, "0,1,2,3", []),
+    "w1": (1, "2,3", []),
+    "w2-bf16": (2, "0,1,3", ["deepspeed.precision=bf16"]),  # GPU training's default precision
+}
 TRAIN_STEPS = 6
 TRAIN_BATCH = 8  # sequences per optimizer step
 
@@ -226,9 +231,10 @@ def jobs(tmp_path_factory, data_dir) -> dict[str, Job]:
     root = tmp_path_factory.mktemp("ds_checkpoints")
     model = [f"model.{o}" for o in SMALL]
     started: dict[str, Job] = {}
-    for world, stages in DS_STAGES.items():
-        out = root / f"w{world}"
+    for name, (world, stages, extra) in DS_JOBS.items():
+        out = root / name
         overrides = [
+            *extra,
             *model,
             f"data.seq_len={SEQ}",
             "trainer.micro_batch_size=2",
@@ -236,7 +242,7 @@ def jobs(tmp_path_factory, data_dir) -> dict[str, Job]:
         ]
         script = str(Path(__file__).with_name("ds_checkpoints.py"))
         proc = _torchrun(world, script, str(out), str(data_dir), stages, *overrides)
-        started[f"w{world}"] = Job(f"ds_checkpoints.py on {world} process(es)", proc, out)
+        started[name] = Job(f"ds_checkpoints.py {name} on {world} process(es)", proc, out)
     run_dir = tmp_path_factory.mktemp("trained") / "run"
     overrides = [
         "model=tiny", *model, "deepspeed=zero2", f"data.dir={data_dir}", f"trainer.max_steps={TRAIN_STEPS}",
@@ -258,8 +264,8 @@ def ds_checkpoints(jobs) -> Path:
     """Real DeepSpeed checkpoints: <root>/w<world>/zero<stage>/checkpoints/step_0000002 and
     <root>/w<world>/zero<stage>/reference_logits.safetensors (the engine's logits), for world 2
     (stages 0-3) and world 1 (stages 2, 3)."""
-    for world in DS_STAGES:
-        jobs[f"w{world}"].wait()
+    for name in DS_JOBS:
+        jobs[name].wait()
     return jobs["w2"].out.parent
 
 

@@ -70,7 +70,7 @@ def main() -> None:
             "last_loss": float(loss.item()),
             "world_size": world,
             "zero_stage": stage,
-            "precision": "fp32",
+            "precision": eng.resolve_precision(cfg.deepspeed.precision, device),
             "tokenizer_sha256": tok.sha256,
             "wandb_id": None,
             "config": config_to_dict(cfg),

@@ -189,6 +189,25 @@ def test_checkpoint_export_equals_trained_model(tmp_path, ds_checkpoints, world,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_bf16_checkpoint_exports_the_fp32_master_weights(tmp_path, ds_checkpoints, stage):
+    """A bf16 run's ZeRO partitions are files named bf16_zero_pp_rank_*: the export consolidates
+    them (fp32 master weights, not the bf16 module copy), at every stage; the logits agree with
+    the engine's bf16 forward to bf16 precision."""
+    run = ds_checkpoints / "w2-bf16" / f"zero{stage}"
+    out = export_checkpoint(run, tmp_path / "export")
+    model, _, meta = load_export(out)
+    assert meta["zero_stage"] == stage
+    ref = load_file(str(run / "reference_logits.safetensors"))
+    with torch.no_grad():
+        logits = model(ref["ids"])
+    assert torch.allclose(logits, ref["logits"], atol=0.1, rtol=0.05), (logits - ref["logits"]).abs().max()
+    if stage >= 1:  # master weights carry more than bf16's 8 significant bits
+        weight = model.tok_emb.weight.detach()
+        assert not torch.equal(weight, weight.bfloat16().float())
+
+
+@pytest.mark.slow
 def test_checkpoint_loading_is_weights_only(ds_checkpoints, monkeypatch):
     """DeepSpeed's consolidation runs with every torch.load forced to weights_only=True."""
     calls = []
