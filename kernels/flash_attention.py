@@ -783,6 +783,12 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             "flash_attention: got CPU tensors. Triton kernels need CUDA tensors, "
             "or TRITON_INTERPRET=1 for the CPU interpreter (set before triton is imported)"
         )
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        # The interpreter's bf16 tl.dot returns garbage (errors of 1e8), not an error of its own.
+        raise TypeError(
+            "flash_attention: torch.bfloat16 is not supported on CPU tensors (the Triton interpreter "
+            "cannot multiply bf16); use torch.float32 or torch.float16 on CPU, bf16 on CUDA"
+        )
     for name, t in (("q", q), ("k", k), ("v", v)):
         # Offsets inside one (b, h) slice are 32-bit in the kernels; (b, h) offsets are 64-bit.
         span = (t.shape[2] - 1) * abs(t.stride(2)) + (t.shape[3] - 1) * abs(t.stride(3))

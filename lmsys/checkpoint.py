@@ -336,20 +336,3 @@ def load(engine: Any, path: Path) -> None:
 
 def read_rank_state(path: Path, rank: int) -> dict[str, Any]:
     return json.loads((path / f"rank_{rank:05d}.json").read_text(encoding="utf-8"))
-
-
-def consolidated_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """The full fp32 weights of the plain Transformer from a checkpoint directory (any ZeRO stage),
-    keyed like `Transformer.state_dict()`. For export; loads our own (trusted) DeepSpeed files."""
-    path = Path(path)
-    verify(path, check_hashes=False)
-    marker = json.loads((path / MARKER).read_text(encoding="utf-8"))
-    if int(marker["state"]["zero_stage"]) == 0:
-        states = torch.load(path / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
-        module = states["module"]
-    else:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        module = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
-    prefix = "model."
-    return {k[len(prefix) :] if k.startswith(prefix) else k: v.float() for k, v in module.items()}

@@ -273,6 +273,13 @@ def test_bad_dtypes_raise_type_error(dtypes, match):
         flash_attention(q, k, v)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="bf16 runs on CUDA; the refusal is for the CPU interpreter")
+def test_bf16_on_cpu_is_refused_not_garbage():
+    q, k, v = (_t(1, 2, 8, 16).bfloat16() for _ in range(3))
+    with pytest.raises(TypeError, match="bfloat16 is not supported on CPU"):
+        flash_attention(q, k, v)
+
+
 def test_tensors_on_different_devices():
     # The meta device stands in for a second device on machines with only one.
     with pytest.raises(ValueError, match="same device"):
