@@ -329,6 +329,44 @@ def wait_for_endpoint(endpoint: str, timeout_s: float, say=print) -> None:
         time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
 
+# A c10d store client in a child process: it connects, pings, and reads a key. Run with a deadline,
+# because a listener that accepts connections and never answers hangs torch's client in C++,
+# beyond the reach of any timeout torch offers.
+_STORE_PROBE = """
+import sys
+from datetime import timedelta
+from torch.distributed import TCPStore
+timeout = timedelta(seconds=float(sys.argv[3]))
+store = TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False, timeout=timeout, wait_for_workers=False)
+store.check(["lmsys-launch-probe"])
+"""
+MIN_PROBE_S = 10.0  # room for the child's interpreter and torch import
+
+
+def check_store_answers(endpoint: str, timeout_s: float) -> None:
+    """LaunchError unless a c10d store answers at `endpoint` within max(timeout_s, MIN_PROBE_S)."""
+    host, port = parse_endpoint(endpoint, "endpoint")
+    limit = max(timeout_s, MIN_PROBE_S)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _STORE_PROBE, host, str(port), str(limit)],
+            capture_output=True,
+            text=True,
+            timeout=limit,
+        )
+    except subprocess.TimeoutExpired:
+        failure = f"did not answer as a c10d rendezvous store within {limit:g} s"
+    else:
+        if proc.returncode == 0:
+            return
+        failure = "answered, but not as a c10d rendezvous store"
+    raise LaunchError(
+        f"rendezvous endpoint {endpoint} accepts connections but {failure}; is another program "
+        "listening on that port? Point --rdzv-endpoint at node 0's launcher",
+        EXIT_RENDEZVOUS,
+    )
+
+
 def check_port_free(endpoint: str) -> None:
     host, port = parse_endpoint(endpoint, "endpoint")
     if not _can_bind("::" if ":" in host else "0.0.0.0", port):
@@ -450,7 +488,9 @@ def main(argv: list[str] | None = None) -> int:
             if plan.hosts_store:
                 check_port_free(plan.endpoint)
             else:
+                started = time.monotonic()
                 wait_for_endpoint(plan.endpoint, plan.timeout_s)
+                check_store_answers(plan.endpoint, plan.timeout_s - (time.monotonic() - started))
         os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(plan.nproc)))
         return run_torchrun(plan, overrides)
     except LaunchError as exc:

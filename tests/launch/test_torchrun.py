@@ -141,6 +141,28 @@ def test_silent_endpoint_fails_with_one_line_not_a_hang():
     assert time.monotonic() - t0 < 30
 
 
+def test_endpoint_that_accepts_but_never_answers_fails_with_one_line_not_a_hang():
+    """Something else listens at the endpoint and says nothing: torch's store client alone would
+    wait there forever."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        port = server.getsockname()[1]
+        t0 = time.monotonic()
+        endpoint = f"127.0.0.1:{port}"
+        proc = run(
+            launcher("--nnodes", "2", "--node-rank", "1", "--nproc", "1", "--rdzv-endpoint", endpoint)
+            + ["--rdzv-timeout", "2", "--", "model=tiny"],
+            timeout=120,
+        )
+    assert proc.returncode == 3, proc.stderr
+    line = one_error_line(proc.stderr, "lmsys-launch: error:")
+    assert f"127.0.0.1:{port} accepts connections but did not answer as a c10d rendezvous store" in line
+    assert time.monotonic() - t0 < 60
+
+
 def test_node_zero_alone_times_out_with_one_line():
     """Node 0 hosts the store but the other node never comes: c10d join_timeout, not a hang."""
     port = free_port()
