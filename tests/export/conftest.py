@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.stdlib_text import module_docstrings
+from tests.stdlib_text import write_docstring_files
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -120,11 +120,9 @@ def small_config(preset: str = "tiny", extra: list[str] | None = None):
 
 
 def _write_corpus(directory: Path) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
     modules = ["json", "argparse", "collections", "functools", "itertools", "pathlib", "re", "os",
                "textwrap", "string", "heapq", "bisect"]  # fmt: skip
-    for i, name in enumerate(modules):
-        (directory / f"doc_{i:02d}.txt").write_text("\n\n".join(module_docstrings(name)), encoding="utf-8")
+    write_docstring_files(directory, modules)
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch.slurm_cluster import SlurmCluster, SlurmUnavailable, ensure_installed, free_port
-from tests.stdlib_text import module_docstrings
+from tests.stdlib_text import write_docstring_files
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 512
@@ -134,11 +134,8 @@ def one_error_line(stderr: str, prefix: str) -> str:
 
 def _write_corpus(directory: Path) -> None:
     """~200 KB of English text: docstrings of some standard-library modules."""
-    directory.mkdir(parents=True, exist_ok=True)
-    for i, name in enumerate(
-        ["json", "argparse", "collections", "functools", "pathlib", "re", "typing", "datetime"]
-    ):
-        (directory / f"doc_{i:02d}.txt").write_text("\n\n".join(module_docstrings(name)), encoding="utf-8")
+    modules = ["json", "argparse", "collections", "functools", "pathlib", "re", "typing", "datetime"]
+    write_docstring_files(directory, modules)
 
 
 @pytest.fixture(scope="session")
