@@ -7,7 +7,7 @@ peak memory for a corpus 1x and `scale`x as large.
 The corpus is the default corpus (Python stdlib docstrings, about 2 MB) repeated up to `mb`
 megabytes, written as .jsonl files of at most 4 MB in a temporary directory. Each size is
 prepared by the real CLI (`python -m lmsys.prepare` in a child process: tokenizer training on a
-bounded sample of `sample_mb`, then encoding on `workers` processes). The baseline encodes the
+bounded sample of `sample_mb`, then encoding on `workers` threads). The baseline encodes the
 same documents with one `SentencePieceProcessor.encode` call per document in this process,
 with the tokenizer the 1x run trained (reading the files is not timed for the baseline; it is
 for lmsys-prepare). The figure to report is the ratio (DESIGN.md: every benchmark prints a
@@ -16,7 +16,7 @@ encoding, splitting, writing shards) in MB/s over the baseline's MB/s; the end-t
 (interpreter start, config, tokenizer training, pool start included) is printed beside it.
 
 Memory is read from /proc while the child runs: the peak resident set (VmHWM) of the main
-process and of each worker, and the largest sampled sum of the resident sets of the whole
+process, and the largest sampled sum of the resident sets of the whole
 process tree. Bounded-memory streaming shows as a 4x/1x ratio near 1.
 
 Options (key=value): mb=16 (corpus size of the 1x run, MB), scale=4 (size of the memory run,
@@ -180,10 +180,8 @@ class TreeMemory:
             self._stop.wait(self.interval)
 
     def summary(self) -> dict[str, float]:
-        others = [kb for p, kb in self.hwm.items() if p != self.pid]
         return {
             "main_mib": self.hwm.get(self.pid, 0) / 1024,
-            "worker_mib": max(others, default=0) / 1024,
             "tree_mib": self.peak_total / 1024,
         }
 
@@ -266,16 +264,15 @@ def report(result: dict[str, Any]) -> str:
     tokens = m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"]
     same = "same" if tokens == base["tokens"] else f"DIFFERENT ({base['tokens']:,})"
     enc_mb_s = text_mb / enc["seconds"]
-    cpu_main, cpu_workers = enc["cpu_seconds"]["main"], enc["cpu_seconds"]["workers"]
-    cpu_total = cpu_main + cpu_workers
+    cpu_main, cpu_total = enc["cpu_seconds"]["main"], enc["cpu_seconds"]["total"]
     n = int(enc["workers"])
-    # n workers and the main process share n cores: wall >= max(main, total / n).
+    # n encoding threads and the main thread share n cores: wall >= max(main, total / n).
     bound = base["cpu"] / max(cpu_main, cpu_total / n)
     load = "load average " + " ".join(f"{x:.1f}" for x in os.getloadavg())
     e2e_mb_s = text_mb / one["seconds"]
     cpu = platform.processor() or platform.machine()
     ratio, e2e_ratio = enc_mb_s / base["mb_s"], e2e_mb_s / base["mb_s"]
-    mem_header = f"{'peak memory (MiB)':<20}{'corpus MB':>10}{'main':>10}{'worker':>10}{'all procs':>11}"
+    mem_header = f"{'peak memory (MiB)':<20}{'corpus MB':>10}{'main':>10}{'all procs':>11}"
     lines = [
         f"{PROG}: corpus {text_mb:.1f} MB (stdlib docstrings, .jsonl), vocab {opts['vocab']}, "
         f"{enc['workers']} workers, {os.cpu_count()} cores ({cpu}), {load}",
@@ -287,7 +284,7 @@ def report(result: dict[str, Any]) -> str:
         f"{'lmsys-prepare, encoding stage':<40}{enc['seconds']:>10.2f}{enc_mb_s:>10.2f}{cpu_total:>10.2f}",
         f"{'lmsys-prepare, end to end':<40}{one['seconds']:>10.2f}{e2e_mb_s:>10.2f}",
         f"ratio prepare/single: {ratio:.2f}x (end to end {e2e_ratio:.2f}x)",
-        f"CPU: encoding took {cpu_main:.2f} s in the main process + {cpu_workers:.2f} s in workers "
+        f"CPU: encoding took {cpu_total:.2f} s, {cpu_main:.2f} s of it in the main thread "
         f"({base['cpu'] / cpu_total:.0%} of the baseline's efficiency); on {n} idle cores at most "
         f"{bound:.2f}x (wall-clock ratios depend on the machine's load)",
         "",
@@ -296,8 +293,7 @@ def report(result: dict[str, Any]) -> str:
     for k, r in runs.items():
         mb = r["manifest"]["documents"]["text_bytes"] / 1e6
         lines.append(
-            f"{f'{k}x':<20}{mb:>10.1f}{r['main_mib']:>10.0f}{r['worker_mib']:>10.0f}{r['tree_mib']:>11.0f}"
-            f"{r['seconds']:>10.1f}"
+            f"{f'{k}x':<20}{mb:>10.1f}{r['main_mib']:>10.0f}{r['tree_mib']:>11.0f}{r['seconds']:>10.1f}"
         )
     if len(runs) > 1:
         k = max(runs)

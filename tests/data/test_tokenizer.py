@@ -78,7 +78,6 @@ def test_pool_encodes_like_one_process(tok):
     batches = [([synthetic_text(rng, 2) for _ in range(5)], None) for _ in range(7)]
     with EncoderPool(2) as pool:
         parallel = list(pool.encode(tok, iter(batches), in_flight=2))
-    assert pool.cpu_seconds > 0
     for (texts, _), (tokens, lengths) in zip(batches, parallel, strict=True):
         expected_tokens, expected_lengths = tok.encode_documents(texts)
         np.testing.assert_array_equal(tokens, expected_tokens)
