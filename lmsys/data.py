@@ -1,12 +1,15 @@
 """The training loader: fixed-length sequences cut from prepared token shards.
 
-Order. A split (the concatenation of its shards, see lmsys.prepare) is cut into N
-non-overlapping samples of `tokens_per_sample` tokens (the tail shorter than one sample is
-never used). Epoch e visits them in the order `permutation(N)` drawn from a generator seeded
-with (seed, e); the epochs are laid end to end as one stream, and optimizer step s takes stream
-positions [s*G, (s+1)*G) with G the global batch in sequences. So every sample is seen exactly
-once in every N consecutive positions (full coverage per epoch, an epoch may end mid-step), and
-the global batch of a step does not depend on the number of ranks.
+Order. A split (the concatenation of its shards, see lmsys.prepare) of n tokens is cut into
+N = ceil(n / L) samples of L = `tokens_per_sample` tokens: sample i starts at token i*L, except
+that when L does not divide n the last one ends at the split's end (starts at n - L), so its
+first L - (n mod L) tokens repeat the end of the sample before; they carry loss weight 0
+(`Batch.weights`), and every token of the split counts exactly once per epoch. Epoch e visits
+the samples in the order `permutation(N)` drawn from a generator seeded with (seed, e); the
+epochs are laid end to end as one stream, and optimizer step s takes stream positions
+[s*G, (s+1)*G) with G the global batch in sequences. So every sample is seen exactly once in
+every N consecutive positions (full coverage per epoch, an epoch may end mid-step), and the
+global batch of a step does not depend on the number of ranks.
 
 Ranks. Rank r of W takes the contiguous slice [r*G/W, (r+1)*G/W) of each step's global batch
 and cuts it into micro-batches of `micro_batch_size`, in order: no sample is shared between
@@ -40,7 +43,7 @@ from lmsys.prepare import read_manifest
 
 __all__ = ["Batch", "DataError", "PreparedData", "TokenLoader"]
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the split's tail is a last, partly weighted sample
 
 
 @dataclass
@@ -154,9 +157,11 @@ class TokenLoader:
         self.global_batch, self.micro_batch = global_batch_size, micro_batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.mask_doc_boundaries = mask_doc_boundaries
-        self.num_samples = len(self.tokens) // tokens_per_sample
-        if self.num_samples == 0:
+        if len(self.tokens) < tokens_per_sample:
             raise too_short(data.dir, split, len(self.tokens), tokens_per_sample)
+        # Tokens after the last whole sample; when > 0 they end the last, partly weighted sample.
+        self.tail_tokens = len(self.tokens) % tokens_per_sample
+        self.num_samples = -(-len(self.tokens) // tokens_per_sample)
         self.micro_batches_per_step = global_batch_size // (micro_batch_size * world_size)
         self.step = 0  # optimizer steps fully consumed
         self.micro = 0  # micro-batches of the current step consumed by this rank
@@ -184,6 +189,24 @@ class TokenLoader:
             [self._order(int(p) // self.num_samples)[int(p) % self.num_samples] for p in positions]
         )
 
+    def sample_start(self, index: int) -> int:
+        """First token of sample `index` in the split (the last one ends at the split's end)."""
+        return min(index * self.sample_len, len(self.tokens) - self.sample_len)
+
+    def repeated_tokens(self, index: int) -> int:
+        """How many leading tokens of sample `index` repeat the previous sample (weight 0)."""
+        last = index == self.num_samples - 1 and self.tail_tokens > 0
+        return self.sample_len - self.tail_tokens if last else 0
+
+    def step_has_repeats(self, step: int) -> bool:
+        """Whether the global batch of optimizer step `step` (0-based) holds the partly weighted
+        last sample, i.e. whether its loss weights are not all 1 before document masking."""
+        if self.tail_tokens == 0:
+            return False
+        positions = np.arange(step * self.global_batch, (step + 1) * self.global_batch)  # (G,)
+        epochs, offsets = positions // self.num_samples, positions % self.num_samples
+        return any(self._order(int(e))[int(o)] == self.num_samples - 1 for e, o in zip(epochs, offsets))
+
     @property
     def epoch(self) -> float:
         """Epochs completed, fractional, at the current position."""
@@ -192,11 +215,20 @@ class TokenLoader:
     # -- batches ----------------------------------------------------------------------------
 
     def _batch(self, indices: np.ndarray, tokens: SplitTokens | None = None) -> Batch:
-        """Samples `indices` of `tokens` (default: this loader's split) as one micro-batch."""
-        source = self.tokens if tokens is None else tokens
-        rows = [source.read(int(i) * self.sample_len, self.sample_len) for i in indices]
+        """Samples `indices` of this loader's split, or whole samples `indices` of `tokens`, as
+        one micro-batch."""
+        if tokens is None:
+            source = self.tokens
+            starts = [self.sample_start(int(i)) for i in indices]
+            repeats = [self.repeated_tokens(int(i)) for i in indices]
+        else:
+            source = tokens
+            starts, repeats = [int(i) * self.sample_len for i in indices], [0] * len(indices)
+        rows = [source.read(start, self.sample_len) for start in starts]
         tokens = torch.from_numpy(np.stack(rows).astype(np.int64))  # (B, S)
         weights = torch.ones(tokens.shape, dtype=torch.float32)  # (B, S)
+        for row, repeated in enumerate(repeats):
+            weights[row, :repeated] = 0.0  # counted in the sample before
         if self.mask_doc_boundaries:
             weights[:, 1:][tokens[:, :-1] == self.data.eos_id] = 0.0
         return Batch(tokens, weights)

@@ -371,8 +371,9 @@ def train(cfg: Config, step_hook: Callable[[int], None] | None = None) -> Path:
         disable=rank != 0 or not t.progress,
     )
     n_micro = plan.grad_accum * world
-    # Without document-boundary masking every loss weight is 1, so each micro-batch's weight sum
-    # is B * seq_len and the step's total needs no all-reduce (one collective and sync fewer).
+    # Without document-boundary masking every loss weight is 1 (except in the split's last,
+    # partly weighted sample), so the step's total is G * seq_len and needs no all-reduce (one
+    # collective and sync fewer).
     uniform_weights = not cfg.data.mask_doc_boundaries
     nan_steps = set(t.debug_nan_steps)
     first_loss: float | None = None
@@ -388,9 +389,11 @@ def train(cfg: Config, step_hook: Callable[[int], None] | None = None) -> Path:
             t0 = time.perf_counter()
             lr = eng.lr_at(step, cfg.optim, t.max_steps)
             eng.set_lr(engine, lr)
+            loader_step = loader.step
             batches = [loader.next_batch() for _ in range(plan.grad_accum)]
             wsums = [target_weight_sum(b.weights, cfg.model.bos_shift) for b in batches]
-            if uniform_weights:  # every prediction weighs 1: the step's total is known, no collective
+            if uniform_weights and not loader.step_has_repeats(loader_step):
+                # every prediction weighs 1: the step's total is known, no collective
                 global_wsum = float(plan.global_batch_sequences * plan.seq_len)
             else:
                 weight_total = torch.tensor([sum(wsums)], dtype=torch.float64, device=device)

@@ -36,9 +36,13 @@ def rows(batch: Batch) -> list[bytes]:
 
 
 def all_samples(data, split: str = "train") -> Counter:
+    """Every sample of the split: whole samples from the start, then, if S does not divide the
+    split, the one that ends at its end."""
     tokens = data.split(split)
-    n = len(tokens) // S
-    return Counter(tokens.read(i * S, S).astype(np.int64).tobytes() for i in range(n))
+    starts = list(range(0, len(tokens) - S + 1, S))
+    if len(tokens) % S:
+        starts.append(len(tokens) - S)
+    return Counter(tokens.read(i, S).astype(np.int64).tobytes() for i in starts)
 
 
 def global_steps(
@@ -84,6 +88,39 @@ def test_ranks_disjoint_and_full_coverage_per_epoch(data, world, micro):
         assert sum(seen, Counter()) == Counter(row for r in per_step[step] for row in r)
         assert all(not (seen[i] & seen[j]) for i in range(world) for j in range(i + 1, world))
     assert stream[n : n + G] != stream[:G]  # the next epoch is another permutation
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_every_token_weighted_once_per_epoch(data, world):
+    """The split's tail is not dropped: counting each sample's weights at the tokens it was cut
+    from, every token of the split is weighted exactly once per epoch (S does not divide it)."""
+    split = data.split("train")
+    n_tokens = len(split)
+    assert n_tokens % S  # the fixture leaves a tail shorter than one sample
+    loaders = [loader(data, world, r) for r in range(world)]
+    n = loaders[0].num_samples
+    assert n == -(-n_tokens // S) and loaders[0].tail_tokens == n_tokens % S
+    coverage = np.zeros(n_tokens, dtype=np.int64)
+    steps_with_repeats, step_of_last = [], None
+    for step in range(-(-n // G)):  # the first epoch ends inside the last of these steps
+        for rank, lo in enumerate(loaders):
+            indices = lo.sample_indices(step, 0)
+            batch = lo.next_batch()
+            first = step * G + rank * (G // world)  # stream position of this rank's first row
+            for pos, i, tokens, weights in zip(range(first, first + G), indices, batch.tokens, batch.weights):
+                if pos >= n:  # the next epoch
+                    continue
+                start = lo.sample_start(int(i))
+                assert np.array_equal(tokens.numpy(), split.read(start, S))
+                coverage[start : start + S] += weights.numpy().astype(np.int64)
+                if i == n - 1:
+                    step_of_last = step
+                    assert weights[: lo.repeated_tokens(int(i))].sum() == 0 < lo.repeated_tokens(int(i))
+        if loaders[0].step_has_repeats(step):
+            steps_with_repeats.append(step)
+    assert np.all(coverage == 1)
+    # step_has_repeats names exactly the step that drew the partly weighted last sample
+    assert step_of_last is not None and steps_with_repeats == [step_of_last]
 
 
 def test_deterministic_per_seed(data):
@@ -156,11 +193,12 @@ def test_mask_doc_boundaries_weights(data):
     zeros = 0
     for _ in range(30):
         a, b = plain.next_batch(), masked.next_batch()
-        assert torch.equal(a.tokens, b.tokens) and torch.all(a.weights == 1)
+        assert torch.equal(a.tokens, b.tokens)
         after_eos = torch.zeros_like(b.tokens, dtype=torch.bool)  # (B, S)
         after_eos[:, 1:] = b.tokens[:, :-1] == EOS_ID
         # weight 0 exactly for predicting a document's first token from the previous one's eos
-        assert torch.equal(b.weights, (~after_eos).float())
+        # (on top of the plain weights, which are 0 only where the split's last sample repeats)
+        assert torch.equal(b.weights, a.weights * (~after_eos).float())
         zeros += int(after_eos.sum())
     assert zeros > 0  # documents are short enough that boundaries occur
 

@@ -16,7 +16,7 @@ import yaml
 
 from lmsys.engine import lr_at
 from lmsys.metrics import wandb_config, wandb_history
-from tests.train.conftest import CASES, MAX_STEPS
+from tests.train.conftest import CASES, MAX_STEPS, SEQ, run_train
 from tests.train.reference import plain_losses
 
 pytestmark = pytest.mark.slow
@@ -170,3 +170,25 @@ def test_secrets_never_reach_disk(runs):
     for path in run.run_dir.rglob("*"):
         if path.is_file():
             assert FAKE_WANDB_KEY.encode() not in path.read_bytes(), path
+
+
+def test_step_with_the_partly_weighted_last_sample_matches_plain_pytorch(runs, tmp_path):
+    """The split's last sample repeats tokens of the one before with weight 0; a step that draws
+    it has fewer weighted predictions than G * seq_len, so the 2-rank run must not take the
+    uniform-weights shortcut there. A seed whose first steps draw that sample, vs the plain loop."""
+    from lmsys.data import PreparedData, TokenLoader
+
+    data = PreparedData(runs.data_dir)
+    seed = next(
+        s
+        for s in range(1000)
+        if any(
+            (lo := TokenLoader(data, "train", tokens_per_sample=SEQ + 1, global_batch_size=8,
+                               micro_batch_size=8, seed=s)).step_has_repeats(step)
+            for step in range(MAX_STEPS)
+        )
+    )  # fmt: skip
+    assert lo.tail_tokens > 0
+    overrides = [*runs.overrides("2proc-zero2"), f"trainer.seed={seed}"]
+    run = run_train("tail", 2, overrides, tmp_path / "run", cwd=tmp_path).check()
+    assert_losses_close(run.losses(), plain_losses(overrides))
