@@ -9,11 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import lmsys.corpus
 from lmsys.config import compose
 from lmsys.corpus import DataError, FileCorpus
-from lmsys.data import PreparedData
+from lmsys.data import PreparedData, TokenLoader
 from lmsys.prepare import MANIFEST, TokenizerMismatch, prepare, read_manifest, validation_mask
 from lmsys.tokenizer import EOS_ID, Tokenizer, file_sha256
 from tests.data.conftest import SHARD_TOKENS, VOCAB, base_overrides, run_prepare
@@ -139,3 +140,43 @@ def test_long_document_is_encoded_in_pieces(tmp_path, monkeypatch, other_tokeniz
     assert m["splits"]["train"]["documents"] + m["splits"]["val"]["documents"] == 7
     assert m["tokenizer"]["origin"] == str(other_tokenizer.resolve())
     assert m["encoding"]["workers"] == 2 and m["encoding"]["cpu_seconds"]["total"] > 0
+
+
+def test_uint32_shards_for_a_vocabulary_above_65536(tmp_path, other_tokenizer):
+    """A tokenizer of more than 65,536 pieces: the shards are uint32, ids above 65535 survive the
+    trip through prepare, the manifest, the loader and decoding."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(other_tokenizer.read_bytes())
+    user_defined = sentencepiece_model_pb2.ModelProto.SentencePiece.USER_DEFINED
+    while len(proto.pieces) < 70_000:  # whole words SentencePiece matches before any merge
+        proto.pieces.add(piece=f"Qz{len(proto.pieces)}", score=0.0, type=user_defined)
+    big = tmp_path / "big.model"
+    big.write_bytes(proto.SerializeToString())
+    src = tmp_path / "src"
+    src.mkdir()
+    texts = [f"first Qz69999 and Qz65536 then Qz{400 + i} plain words {i}\n" for i in range(12)]
+    for i, text in enumerate(texts):
+        (src / f"doc_{i}.txt").write_text(text, encoding="utf-8")
+    out = tmp_path / "out"
+    cfg = compose(
+        [f"data.sources=[{src}]", f"data.dir={out}", "model.vocab_size=70000", f"data.tokenizer={big}",
+         "data.val_fraction=0.25", "data.num_workers=2"]
+    )  # fmt: skip
+    prepare(cfg)
+    data = PreparedData(out)
+    assert data.manifest["dtype"] == "uint32" and data.vocab_size == 70_000
+    for shard in data.manifest["shards"]:
+        assert (out / shard["file"]).stat().st_size == 4 * shard["tokens"]
+    tok = Tokenizer(data.tokenizer_path)
+    high = {69999, 65536}
+    assert [tok.id_to_piece(i) for i in sorted(high)] == ["Qz65536", "Qz69999"]
+    docs = [d for split in ("train", "val") for d in split_documents(data, split)]
+    assert sorted(tok.decode(d[:-1]) for d in docs) == sorted(texts)
+    assert all(high <= set(d.tolist()) for d in docs)  # ids above 65535, not truncated to 16 bits
+    loader = TokenLoader(data, "train", tokens_per_sample=8, global_batch_size=2, micro_batch_size=2)
+    batch = loader.next_batch()
+    assert batch.tokens.dtype == torch.int64 and int(batch.tokens.max()) < 70_000
+    seen = {int(t) for _ in range(loader.num_samples) for t in loader.next_batch().tokens.flatten()}
+    assert high <= seen
