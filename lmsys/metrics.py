@@ -115,6 +115,8 @@ class MetricsLogger:
             mode = "offline"
         if mode != "disabled":
             self.wandb_run = self._init_wandb(mode, logger_cfg, config_dict, run_name, wandb_id)
+        if self.wandb_run is not None and resumed_step > 0:
+            self._replay_to_wandb(logger_cfg.log_interval)
 
     def _truncate_after(self, step: int) -> None:
         """A resumed run recomputes the steps after its checkpoint: drop their old records."""
@@ -186,6 +188,28 @@ class MetricsLogger:
         run.define_metric("eval/*", step_metric="step")
         return run
 
+    def _replay_to_wandb(self, log_interval: int) -> None:
+        """Send the records kept from earlier attempts (steps up to the resumed checkpoint) to the
+        resumed W&B run. An offline attempt writes its own file, and one killed with -9 leaves
+        only what W&B had flushed (often nothing), so without this the run's W&B history would
+        start at the resumed step. Steps the W&B run already holds (below `run.starting_step`:
+        what the server has online, nothing offline) are not sent again. Train records follow
+        the usual cadence (every `log_interval`-th step and the first); eval records all go."""
+        assert self.wandb_run is not None
+        held = int(getattr(self.wandb_run, "starting_step", 0) or 0)
+        for record in read_metrics(self.run_dir):
+            kind, step = record.pop("kind", None), int(record.pop("step", 0))
+            if step < held or kind not in ("train", "eval"):
+                continue
+            if kind == "eval" or step % log_interval == 0 or step == 1:
+                self._to_wandb(kind, step, record)
+
+    def _to_wandb(self, kind: str, step: int, values: dict[str, Any]) -> None:
+        assert self.wandb_run is not None
+        data = {f"{kind}/{k}": v for k, v in values.items() if isinstance(v, (int, float)) and v is not None}
+        data["step"] = step
+        self.wandb_run.log(data, step=step)
+
     @property
     def wandb_id(self) -> str | None:
         return None if self.wandb_run is None else self.wandb_run.id
@@ -196,11 +220,7 @@ class MetricsLogger:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self.wandb_run is not None and to_wandb:
-            data = {
-                f"{kind}/{k}": v for k, v in values.items() if isinstance(v, (int, float)) and v is not None
-            }
-            data["step"] = step
-            self.wandb_run.log(data, step=step)
+            self._to_wandb(kind, step, values)
 
     def summary(self, values: dict[str, Any]) -> None:
         if self.wandb_run is not None:
@@ -314,10 +334,17 @@ def wandb_records(path: str | Path) -> Iterator[Any]:
         yield record
 
 
-def wandb_history(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Every history row logged to the offline W&B run(s) under run_dir/wandb, oldest first."""
+def wandb_files(run_dir: str | Path) -> list[Path]:
+    """The offline W&B run files under run_dir/wandb, one per attempt, oldest first."""
+    return sorted(Path(run_dir, "wandb").glob("*run-*/run-*.wandb"))
+
+
+def wandb_history(run_dir: str | Path, attempt: int | None = None) -> list[dict[str, Any]]:
+    """Every history row logged to the offline W&B run(s) under run_dir/wandb, oldest first; with
+    `attempt`, only those of that file of `wandb_files` (-1: the latest attempt's)."""
     rows = []
-    for path in sorted(Path(run_dir, "wandb").glob("*run-*/run-*.wandb")):
+    files = wandb_files(run_dir)
+    for path in files if attempt is None else [files[attempt]]:
         for record in wandb_records(path):
             if record.WhichOneof("record_type") == "history":
                 row = {}
@@ -331,7 +358,7 @@ def wandb_history(run_dir: str | Path) -> list[dict[str, Any]]:
 def wandb_config(run_dir: str | Path) -> dict[str, Any]:
     """The config the offline W&B run(s) recorded (later updates win)."""
     config: dict[str, Any] = {}
-    for path in sorted(Path(run_dir, "wandb").glob("*run-*/run-*.wandb")):
+    for path in wandb_files(run_dir):
         for record in wandb_records(path):
             kind = record.WhichOneof("record_type")
             items = []

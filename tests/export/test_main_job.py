@@ -69,7 +69,8 @@ def test_a_sample_from_the_export_and_from_the_checkpoint(main_job, trained_run,
     sample = main_job["sample"]
     assert sample.returncode == 0, sample.stderr
     assert sample.stderr == ""
-    assert sample.stdout.startswith(PROMPT) and len(sample.stdout.strip()) > len(PROMPT)
+    # a continuation (a tiny model's greedy one may well be whitespace), then print's newline
+    assert sample.stdout.startswith(PROMPT) and len(sample.stdout.removesuffix("\n")) > len(PROMPT)
     args = [str(trained_run), f"prompt={PROMPT}", "greedy=true", "max_new_tokens=16"]
     code, out, err = in_process("lmsys.generate", args, capsys)  # straight from the checkpoint
     assert code == 0, err

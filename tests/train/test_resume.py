@@ -34,6 +34,9 @@ def snapshot(directory):
     }
 
 
+WANDB = ["logger=wandb_offline", "logger.log_interval=1"]
+
+
 @pytest.fixture(scope="module")
 def killed_run(runs, tmp_path_factory):
     """2 processes, ZeRO-2, slowed to 1 s per step; SIGKILL to the torchrun launcher as soon as
@@ -47,6 +50,7 @@ def killed_run(runs, tmp_path_factory):
     run_dir = root / "run"
     overrides = [
         *runs.overrides("2proc-zero2"),
+        *WANDB,
         "trainer.debug_step_delay_s=1.0",
         f"trainer.run_dir={run_dir}",
     ]
@@ -86,7 +90,7 @@ def killed_run(runs, tmp_path_factory):
 @pytest.fixture(scope="module")
 def resumed_run(runs, killed_run):
     run_dir, _, _ = killed_run
-    return run_train("resumed", 2, runs.overrides("2proc-zero2"), run_dir, cwd=run_dir.parent)
+    return run_train("resumed", 2, [*runs.overrides("2proc-zero2"), *WANDB], run_dir, cwd=run_dir.parent)
 
 
 def test_kill9_leaves_a_run_mid_way(killed_run):
@@ -111,6 +115,21 @@ def test_resume_after_kill9_reproduces_the_losses_exactly(runs, resumed_run):
         "zero_to_torch.py",
     ]
     assert (run.run_dir / ckpt.CHECKPOINTS / "latest").read_text() == "step_0000006"
+
+
+def test_resumed_wandb_run_holds_the_whole_history(resumed_run):
+    """The killed attempt's W&B file lost what was not flushed; the resumed attempt's file (same
+    run id) holds every step: the earlier ones replayed from metrics.jsonl, then its own."""
+    from lmsys.metrics import wandb_files, wandb_history
+
+    run = resumed_run.check()
+    files = wandb_files(run.run_dir)
+    assert len(files) == 2 and files[0].name.split("-")[-1] == files[1].name.split("-")[-1]  # one id
+    history = wandb_history(run.run_dir, attempt=-1)
+    losses = {row["step"]: row["train/loss"] for row in history if "train/loss" in row}
+    assert losses == pytest.approx(run.losses(), rel=1e-12)  # logger.log_interval=1: every step
+    evals = [row["step"] for row in history if "eval/loss" in row]
+    assert evals == [r["step"] for r in run.records("eval")] == [3, 6]
 
 
 @pytest.fixture(scope="module")
