@@ -56,11 +56,13 @@ def run(opts: dict) -> dict:
     from lmsys.config import compose_model
     from lmsys.generate import Sampling, generate_one
     from lmsys.model import Transformer
+    from lmsys.ops import prepare_kernels
 
     device, dtype = resolve_device(opts["device"]), resolve_dtype(opts["dtype"])
     if opts.get("threads"):
         torch.set_num_threads(int(opts["threads"]))
     cfg = compose_model(opts["preset"], list(opts.get("set") or []))
+    prepare_kernels(cfg.kernels, device)  # Triton's CPU interpreter for kernels=triton
     torch.manual_seed(0)
     model = Transformer(cfg).to(device=device, dtype=dtype).eval()
     n_prompt = opts["prompt_tokens"]

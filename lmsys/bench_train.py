@@ -292,6 +292,7 @@ def bench_config(opts: dict[str, Any], overrides: list[str], scratch: Path, devi
 def run(opts: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     from lmsys.engine import batch_plan, resolve_device, resolve_precision
     from lmsys.metrics import device_name, device_peak_flops, mfu
+    from lmsys.ops import prepare_kernels
     from lmsys.train import train
 
     choice = next((o.split("=", 1)[1] for o in overrides if o.startswith("trainer.device=")), "auto")
@@ -301,6 +302,7 @@ def run(opts: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
         torch.set_num_threads(opts["threads"] or 1)
     with tempfile.TemporaryDirectory(prefix="lmsys-bench-train-") as tmp:
         cfg = bench_config(opts, overrides, Path(tmp), device)
+        prepare_kernels(cfg.model.kernels, device)  # before DeepSpeed imports triton
         plan = batch_plan(cfg, 1)
         precision = resolve_precision(cfg.deepspeed.precision, device)
         plain = PlainLoop(cfg, device)

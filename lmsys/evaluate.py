@@ -51,6 +51,7 @@ from lmsys.export import (
     resolve_dtype,
     run_cli,
 )
+from lmsys.ops import prepare_kernels
 
 PROG = "lmsys-eval"
 LN2 = math.log(2.0)
@@ -325,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         if opts["model"]:
             path = Path(opts["model"])
             model, tok, meta = load_model(path, device=device, dtype=dtype, tokenizer=opts["tokenizer"])
+            prepare_kernels(model.cfg.kernels, device)  # Triton's CPU interpreter for kernels=triton
             config = None
             if meta.get("format") == "checkpoint":
                 config = resolve_checkpoint(path, verify_hashes=False).config
@@ -352,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             except ExportError as exc:
                 print(f"{PROG}: warning: skipping {tag_dir.name}: {exc}", file=sys.stderr, flush=True)
                 continue
+            prepare_kernels(model.cfg.kernels, device)
             result = evaluate_source(model, tok, source, opts)
             row = {"step": int(meta.get("step") or 0), "checkpoint": tag_dir.name, **result.as_dict()}
             rows.append(row)

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from lmsys.export import Option, UsageError, load_model, parse_options, resolve_device, resolve_dtype, run_cli
+from lmsys.ops import prepare_kernels
 
 PROG = "lmsys-generate"
 LONG_PROMPT = ("error", "truncate")
@@ -385,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         model, tok, _ = load_model(
             opts["model"], device=device, dtype=resolve_dtype(opts["dtype"]), tokenizer=opts["tokenizer"]
         )
+        prepare_kernels(model.cfg.kernels, device)  # Triton's CPU interpreter for kernels=triton
         use_cache = opts["cache"]
         if use_cache and not cache_supported(model.cfg):
             warn("this model's attention is not causal row-softmax; generating without a KV cache")

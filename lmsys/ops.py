@@ -4,14 +4,75 @@
 (the CPU default), "triton" forces the kernels (on CPU through the Triton interpreter, which is
 how CI tests the wiring), "torch" forces the references. The kernels are imported lazily so a
 CPU-only user never pays for a Triton import.
+
+Entry points call `prepare_kernels(kernels, device)` once, before anything imports triton: it
+selects the Triton CPU interpreter when "triton" is asked for without CUDA, so that a user never
+has to set TRITON_INTERPRET=1 by hand.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
+
+from lmsys.config import ConfigError
+
+# Values of TRITON_INTERPRET that triton reads as "on" (triton.knobs' boolean parsing).
+_TRUTHY = ("1", "true", "on", "yes", "y")
+
+
+def _imported_triton_mode() -> str | None:
+    """How this process's triton builds @triton.jit functions: None while triton is not imported,
+    else "interpreter" or "compiled".
+
+    Triton fixes the mode when it is imported: its own library functions (tl.sum, tl.max, ...)
+    are @triton.jit functions built at that import, for the interpreter or for compiled GPU
+    code, and an interpreted kernel cannot call compiled ones ("Cannot call @triton.jit'd outside
+    of the scope of a kernel"; checked with triton 3.9). Our kernel modules, if imported, were
+    built the same way then."""
+    if "triton" not in sys.modules:
+        return None
+    try:
+        from triton.language import standard
+        from triton.runtime import JITFunction
+
+        compiled = isinstance(standard.sum, JITFunction)  # an InterpretedFunction otherwise
+    except (ImportError, AttributeError):  # another triton layout: trust the variable it read
+        compiled = os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in _TRUTHY
+    flash = sys.modules.get("kernels.flash_attention")
+    if flash is not None and not getattr(flash, "_INTERPRET", True):
+        compiled = True
+    return "compiled" if compiled else "interpreter"
+
+
+def prepare_kernels(kernels: str, device: torch.device | str) -> None:
+    """Make `model.kernels=<kernels>` runnable on `device`. Call it once per process, as early as
+    the setting and the device are known and before anything imports triton (DeepSpeed's
+    initialize does, for one).
+
+    Only kernels="triton" without CUDA needs anything: the Triton CPU interpreter. Before triton
+    is imported this sets TRITON_INTERPRET=1 in os.environ (child processes inherit it); when
+    triton is already imported for the interpreter there is nothing to do; when it was imported
+    for compiled GPU code, which cannot be undone in this process, it raises one ConfigError
+    saying how to start the process instead. "auto" and "torch" run torch ops on CPU, and on
+    CUDA every setting runs as imported: both return without touching anything.
+    """
+    if kernels != "triton" or torch.device(device).type == "cuda":
+        return
+    mode = _imported_triton_mode()
+    if mode is None:
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif mode == "compiled":
+        raise ConfigError(
+            f"model.kernels=triton on {torch.device(device)} needs the Triton CPU interpreter, but "
+            "triton was already imported in this process for compiled GPU kernels and that choice "
+            "is fixed at import; start the process with TRITON_INTERPRET=1 in its environment, or "
+            "use model.kernels=auto (torch ops on CPU)"
+        )
 
 
 def use_triton(x: torch.Tensor, kernels: str) -> bool:

@@ -228,12 +228,14 @@ def train(cfg: Config, step_hook: Callable[[int], None] | None = None) -> Path:
     from lmsys.data import PreparedData, TokenLoader
     from lmsys.metrics import MetricsLogger, device_name, device_peak_flops, memory_gb, mfu, plot_losses
     from lmsys.model import Transformer
+    from lmsys.ops import prepare_kernels
 
     t = cfg.trainer
     info = eng.env_dist_info()
     _rank = info.rank
     plan = eng.batch_plan(cfg, info.world_size)
     device = eng.resolve_device(t.device, info.local_rank)
+    prepare_kernels(cfg.model.kernels, device)  # before anything imports triton (DeepSpeed does)
     precision = eng.resolve_precision(cfg.deepspeed.precision, device)
 
     # Everything a user can get wrong is checked before anything is written.

@@ -6,7 +6,12 @@ wiring in lmsys/ops.py and the kernels' agreement with the torch path inside a w
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +20,8 @@ import kernels
 from lmsys.config import compose_model
 from lmsys.model import Transformer
 from tests.conftest import DEVICE
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 SMALL = ["vocab_size=37", "d_model=32", "n_heads=2", "n_layers=2", "max_seq_len=24", "ffn.d_ff=48"]
 PRESETS = {
@@ -96,3 +103,111 @@ def test_auto_uses_torch_on_cpu_and_triton_on_cuda() -> None:
     assert not ops.use_triton(cpu, "torch")
     if torch.cuda.is_available():
         assert ops.use_triton(cpu.cuda(), "auto")
+
+
+# ----------------------------------------------------------------------------- prepare_kernels
+# A fresh process without TRITON_INTERPRET (this session's conftest set it for itself), as a
+# user's `lmsys-generate` starts.
+
+
+def _fresh_python(*pieces: str) -> subprocess.CompletedProcess:
+    """Run the code pieces (each dedented on its own) in a fresh interpreter."""
+    code = "\n".join(textwrap.dedent(piece) for piece in pieces)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+_TRITON_VS_TORCH = """
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(3, 40, generator=g), torch.randn(40, generator=g), torch.randn(40, generator=g)
+    q, k, v = (torch.randn(1, 2, 20, 16, generator=g) for _ in range(3))
+    for name, run in [
+        ("layer_norm", lambda choice: ops.layer_norm(x, w, b, eps=1e-5, formula="exact", kernels=choice)),
+        ("attention", lambda choice: ops.attention(q, k, v, causal=True, scale=0.3, kernels=choice)),
+    ]:
+        try:
+            got = run("triton")
+        except Exception as exc:
+            print(f"{name}: triton failed: {type(exc).__name__}: {exc}")
+            continue
+        torch.testing.assert_close(got, run("torch"), atol=1e-5, rtol=1e-5)
+        print(f"{name}: triton ok")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter is selected only without CUDA")
+def test_prepare_kernels_selects_the_interpreter_before_triton_is_imported():
+    proc = _fresh_python(
+        """
+        import os, sys
+        import torch
+        from lmsys import ops
+        assert "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ
+        ops.prepare_kernels("triton", torch.device("cpu"))
+        assert os.environ["TRITON_INTERPRET"] == "1"
+        """,
+        _TRITON_VS_TORCH,
+        """
+        assert ops._imported_triton_mode() == "interpreter"
+        """,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "layer_norm: triton ok" in proc.stdout and "attention: triton ok" in proc.stdout, proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter is selected only without CUDA")
+def test_prepare_kernels_after_a_compiled_triton_import_is_one_clear_error():
+    """Something imported triton for compiled kernels first (torch._dynamo does, e.g. inside
+    deepspeed.initialize): too late to switch, so one ConfigError says what to do. Without the
+    call the kernels really fail (the control below), and the other settings need nothing."""
+    proc = _fresh_python(
+        """
+        import os, sys
+        import torch
+        import triton  # compiled mode: TRITON_INTERPRET is unset
+        from lmsys import ops
+        from lmsys.config import ConfigError
+        assert ops._imported_triton_mode() == "compiled"
+        for kernels, device in [("auto", "cpu"), ("torch", "cpu"), ("triton", "cuda")]:
+            ops.prepare_kernels(kernels, device)  # nothing to do, nothing raised
+        assert "TRITON_INTERPRET" not in os.environ
+        try:
+            ops.prepare_kernels("triton", "cpu")
+        except ConfigError as exc:
+            print(f"ConfigError: {exc}")
+        """,
+        _TRITON_VS_TORCH,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("ConfigError: ")]
+    assert len(errors) == 1, proc.stdout
+    assert "model.kernels=triton" in errors[0] and "TRITON_INTERPRET=1" in errors[0], errors[0]
+    assert "model.kernels=auto" in errors[0], errors[0]
+    for name in ("layer_norm", "attention"):
+        assert f"{name}: triton failed" in proc.stdout, proc.stdout
+
+
+def test_prepare_kernels_in_this_session():
+    """Here triton was imported as conftest chose: interpreter on CPU, compiled with CUDA."""
+    from lmsys import ops
+    from lmsys.config import ConfigError
+
+    for choice in ("auto", "torch"):
+        ops.prepare_kernels(choice, "cpu")
+    ops.prepare_kernels("triton", "cuda")
+    if DEVICE == "cpu":
+        assert ops._imported_triton_mode() == "interpreter"
+        ops.prepare_kernels("triton", "cpu")
+    else:
+        assert ops._imported_triton_mode() == "compiled"
+        with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
+            ops.prepare_kernels("triton", "cpu")

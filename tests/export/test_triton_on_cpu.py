@@ -1,0 +1,63 @@
+"""A model.kernels=triton export runs through lmsys-generate and lmsys-eval on a machine without
+CUDA, as a user starts them: no TRITON_INTERPRET in the environment (this session's conftest set
+it for itself, so the child's environment drops it). The CLIs select the Triton CPU interpreter
+(lmsys.ops.prepare_kernels); without it the first kernel call fails. The results equal those of
+the same weights exported with kernels=torch.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+
+from lmsys.export import write_export
+from lmsys.model import Transformer
+from tests.export.conftest import REPO_ROOT, child_env, cli_command, small_config
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the CPU interpreter is selected only without CUDA"
+)
+
+
+def test_triton_export_runs_on_cpu_without_triton_interpret(tmp_path, tokenizer_path):
+    torch.manual_seed(0)
+    state = Transformer(small_config()).state_dict()
+    text = tmp_path / "text.txt"
+    text.write_text("def main():\n    return parse(sys.argv)\n\n" * 4, encoding="utf-8")
+    env = child_env()
+    env.pop("TRITON_INTERPRET", None)
+
+    procs = {}
+    for kernels in ("torch", "triton"):
+        export = write_export(
+            tmp_path / kernels, small_config(extra=[f"kernels={kernels}"]), state, tokenizer_path, {"step": 0}
+        )
+        json_out = tmp_path / f"{kernels}.json"
+        calls = {
+            "generate": [str(export), "prompt=def ", "greedy=true", "max_new_tokens=6", "output=jsonl"],
+            "eval": [str(export), f"text={text}", f"json={json_out}"],
+        }
+        for name, args in calls.items():
+            module = "lmsys.generate" if name == "generate" else "lmsys.evaluate"
+            procs[name, kernels] = subprocess.Popen(
+                cli_command(module, *args, "device=cpu"),
+                cwd=REPO_ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+    outputs = {}
+    for key, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"{key}: exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{err}"
+        outputs[key] = out
+
+    completions = {k: json.loads(outputs["generate", k].splitlines()[-1]) for k in ("torch", "triton")}
+    assert completions["triton"]["new_tokens"] == 6
+    assert completions["triton"]["completion"] == completions["torch"]["completion"]
+    losses = {k: json.loads((tmp_path / f"{k}.json").read_text())["loss"] for k in ("torch", "triton")}
+    assert losses["triton"] == pytest.approx(losses["torch"], rel=1e-5)
