@@ -1,8 +1,38 @@
-"""Kernel benchmarks: `python -m kernels.bench [--smoke] [--dtype bf16|fp16|fp32] [--csv PATH]`.
+"""Kernel benchmarks: `python -m kernels.bench [--smoke] [--dtype bf16|fp16|fp32] [--csv PATH]
+[--peak-gbps GB/S]`.
 
 Prints the device and date, then one row per measurement: our kernel's time and throughput
 next to a baseline measured in the same run (F.layer_norm, torch SDPA), and their ratio.
-ratio = ours / baseline throughput, so > 1 means our kernel is faster.
+ratio = ours / baseline throughput, so > 1 means our kernel is faster. Below the table, the
+issue's H100 bf16 targets with the worst measured value of each (they apply to the full grid
+on an H100 in bf16; elsewhere the lines only show which rows would be read):
+
+    causal attention, d=128, T = 4k..16k: forward >= 1.3x and backward >= 1.2x SDPA's flash backend
+        (rows "attention fwd" / "attention bwd", baseline sdpa-flash; see kernels/bench_attention.py)
+    layer norm forward+backward: >= 90% of peak HBM bandwidth and >= 1.5x F.layer_norm
+        (rows "layer_norm fwd+bwd": columns ours_pct_peak_hbm and ratio)
+
+Layer-norm GB/s and % of peak HBM. GB/s = counted bytes / time; % of peak = that / the device's
+peak HBM bandwidth, looked up by device name in PEAK_HBM_BYTES_PER_S (H100 SXM 3.35 TB/s, H100
+PCIe 2.0, H200 4.8, A100 80GB SXM 2.039, A100 80GB PCIe 1.935, A100 40GB 1.555), or given with
+--peak-gbps; "n/a" when unknown (always on CPU without the flag). The counted bytes are what the
+op must move at least, each tensor once (M rows of width N; e = element size of x, y, dy, dx and,
+in this benchmark, of weight and bias; P = the backward's row programs, `_bwd_row_programs`):
+
+    forward:  read x (M N e), write y (M N e), read weight and bias (2 N e; every program reads
+              them, but from L2 after the first), write the fp32 row mean and rstd (2 M 4)
+    backward: read x and dy (2 M N e), read mean and rstd (2 M 4), read weight (N e), write dx
+              (M N e), write the fp32 per-program dweight/dbias partial sums (2 P N 4) and read
+              them back in the final torch .sum(0) (2 P N 4), write dweight and dbias (2 N e;
+              the (N,) fp32 sums in between are not counted)
+    fwd+bwd:  the sum of both
+
+What the kernels move beyond that is charged to them: rows wider than one tile are read more
+than once (forward N > 16384: x twice; backward N > 8192: x and dy twice, plus the (M,) fp32
+row sums of the extra pass). In the full grid that is the N = 16384 backward, which moves
+about 5 M N e where 3 M N e are counted, so its "layer_norm fwd+bwd" row reads at most
+(2 + 3) / (2 + 5) = 71% of peak even at full bandwidth. F.layer_norm is credited with the same
+bytes, so the ratio is the inverse ratio of times.
 
 On a CUDA machine the default is the full grid in bf16, timed with triton.testing.do_bench.
 Without CUDA it always runs the smoke grid (tiny shapes, fp32) on CPU tensors through the
@@ -30,6 +60,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 import argparse  # noqa: E402
 import csv  # noqa: E402
 import datetime  # noqa: E402
+import math  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -68,16 +99,8 @@ def time_ms(fn: Callable[[], object], device: str) -> float:
 
 
 def _ln_bytes(m: int, n: int, dtype: torch.dtype, backward: bool, device: str) -> int:
-    """Byte model for layer norm with weight and bias (e = element size, P = partial rows).
-
-    forward:  read x (m n e) + write y (m n e) + read weight, bias (2 n e) + write mean, rstd (2 m 4)
-    backward: read x, dy (2 m n e) + read mean, rstd (2 m 4) + read weight (n e) + write dx (m n e)
-              + write and re-read the fp32 dweight/dbias partial sums (2 * 2 P n 4)
-              + write dweight, dbias (2 n e)
-    "fwd+bwd" is the sum of both. Each tensor counts once: re-reads (the chunked path for wide
-    rows reads x and dy twice) earn nothing. The same bytes are credited to F.layer_norm, so the
-    ratio is the inverse ratio of times.
-    """
+    """Counted bytes of an affine layer norm over (m, n) in `dtype`, forward or forward+backward
+    (the byte model of the module docstring; e = element size, P = backward row programs)."""
     e = torch.empty((), dtype=dtype).element_size()
     fwd = 2 * m * n * e + 2 * n * e + 2 * m * 4
     if not backward:
@@ -85,6 +108,35 @@ def _ln_bytes(m: int, n: int, dtype: torch.dtype, backward: bool, device: str) -
     partial_rows, _ = _bwd_row_programs(m, n, torch.device(device))
     bwd = 3 * m * n * e + 2 * m * 4 + n * e + 2 * 2 * partial_rows * n * 4 + 2 * n * e
     return fwd + bwd
+
+
+# Peak HBM bandwidth in bytes/s by device name: (substrings that must all occur in the upper-cased
+# name, bytes/s or None for "known, but not in this table"); the first matching entry wins.
+# Vendor datasheet figures. Names as torch.cuda.get_device_name reports them, e.g. "NVIDIA H100
+# 80GB HBM3" (the SXM5 board), "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe".
+PEAK_HBM_BYTES_PER_S: tuple[tuple[tuple[str, ...], float | None], ...] = (
+    (("GH200",), None),  # 4.0 or 4.9 TB/s depending on the memory fitted: give --peak-gbps
+    (("H200",), 4.8e12),
+    (("H100", "NVL"), None),  # not in the table: give --peak-gbps
+    (("H100", "PCIE"), 2.0e12),
+    (("H100", "HBM3"), 3.35e12),
+    (("H100", "SXM"), 3.35e12),
+    (("A100", "PCIE", "80GB"), 1.935e12),
+    (("A100", "80GB"), 2.039e12),
+    (("A100", "40GB"), 1.555e12),
+)
+
+
+def peak_hbm_bytes_per_s(name: str, override_gbps: float | None = None) -> float | None:
+    """The device's peak memory bandwidth in bytes/s: `override_gbps` (GB/s) when given, else
+    the PEAK_HBM_BYTES_PER_S entry matching `name`, else None (unknown; e.g. "cpu")."""
+    if override_gbps is not None:
+        return override_gbps * 1e9
+    upper = name.upper()
+    for needles, peak in PEAK_HBM_BYTES_PER_S:
+        if all(needle in upper for needle in needles):
+            return peak
+    return None
 
 
 def _check_same(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str) -> None:
@@ -95,18 +147,23 @@ def _check_same(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what:
     )
 
 
-def bench_layer_norm(device: str, dtype: torch.dtype, smoke: bool) -> list[dict]:
-    """Forward and forward+backward GB/s of our "sqrt_var_eps" affine layer norm vs F.layer_norm."""
+def bench_layer_norm(
+    device: str, dtype: torch.dtype, smoke: bool, peak_bytes_per_s: float | None = None
+) -> list[dict]:
+    """Forward and forward+backward GB/s of our "sqrt_var_eps" affine layer norm vs F.layer_norm,
+    and ours as a percentage of `peak_bytes_per_s` (None: unknown)."""
     if device.startswith("cuda"):
         rows, widths = (LN_SMOKE_ROWS_GPU, LN_SMOKE_WIDTHS_GPU) if smoke else (LN_ROWS, LN_WIDTHS)
     else:
         rows, widths = LN_SMOKE_ROWS_CPU, LN_SMOKE_WIDTHS_CPU
     gen = torch.Generator().manual_seed(0)
-    return [row for n in widths for row in _bench_layer_norm_shape(rows, n, device, dtype, gen)]
+    return [
+        row for n in widths for row in _bench_layer_norm_shape(rows, n, device, dtype, gen, peak_bytes_per_s)
+    ]
 
 
 def _bench_layer_norm_shape(
-    rows: int, n: int, device: str, dtype: torch.dtype, gen: torch.Generator
+    rows: int, n: int, device: str, dtype: torch.dtype, gen: torch.Generator, peak_bytes_per_s: float | None
 ) -> list[dict]:
     x = torch.randn((rows, n), generator=gen).to(device=device, dtype=dtype).requires_grad_(True)
     w = (1 + 0.1 * torch.randn(n, generator=gen)).to(device=device, dtype=dtype).requires_grad_(True)
@@ -140,6 +197,7 @@ def _bench_layer_norm_shape(
                 "device": device_name(device),
                 "ms": ms,
                 "gbps": gbps,
+                "pct_peak_hbm": None if peak_bytes_per_s is None else 100 * gbps * 1e9 / peak_bytes_per_s,
                 "baseline": "F.layer_norm",
                 "baseline_gbps": base_gbps,
                 "ratio": gbps / base_gbps,
@@ -153,8 +211,10 @@ def _display(row: dict) -> dict:
     if "tflops" in row:
         shape = f"B={row['B']} H={row['H']} T={row['T']} d={row['d']} causal={row['causal']}"
         ours, base, unit = row["tflops"], row["baseline_tflops"], "TFLOP/s"
+        pct = "-"  # compute-bound: HBM bandwidth is not its measure
     else:
         shape, ours, base, unit = row["shape"], row["gbps"], row["baseline_gbps"], "GB/s"
+        pct = "n/a" if row.get("pct_peak_hbm") is None else f"{row['pct_peak_hbm']:.3g}%"
     dtype = row["dtype"]
     return {
         "op": row["op"],
@@ -163,10 +223,61 @@ def _display(row: dict) -> dict:
         "device": row["device"],
         "ours_ms": f"{row['ms']:.4f}",
         "ours": f"{ours:.4g} {unit}",
+        "ours_pct_peak_hbm": pct,
         "baseline": row["baseline"],
         "baseline_figure": f"{base:.4g} {unit}",
         "ratio": f"{row['ratio']:.3g}",
     }
+
+
+# The issue's targets (H100, bf16, full grid): (what, which rows, row key, threshold, unit).
+ATTENTION_TARGET_T = (4096, 16384)  # inclusive range of sequence lengths the targets cover
+
+
+def _attention_target_rows(op: str) -> Callable[[dict], bool]:
+    lo, hi = ATTENTION_TARGET_T
+    return lambda r: (
+        r["op"] == op
+        and r.get("baseline") == "sdpa-flash"
+        and r.get("causal") is True
+        and r.get("d") == 128
+        and lo <= r.get("T", 0) <= hi
+    )
+
+
+def _ln_fwd_bwd_rows(r: dict) -> bool:
+    return r["op"] == "layer_norm fwd+bwd"
+
+
+_ATTN = "causal, d=128, T=4k..16k"
+TARGETS: tuple[tuple[str, Callable[[dict], bool], str, float, str], ...] = (
+    (f"attention fwd vs sdpa-flash, {_ATTN}", _attention_target_rows("attention fwd"), "ratio", 1.3, "x"),
+    (f"attention bwd vs sdpa-flash, {_ATTN}", _attention_target_rows("attention bwd"), "ratio", 1.2, "x"),
+    ("layer_norm fwd+bwd, % of peak HBM", _ln_fwd_bwd_rows, "pct_peak_hbm", 90.0, "%"),
+    ("layer_norm fwd+bwd vs F.layer_norm", _ln_fwd_bwd_rows, "ratio", 1.5, "x"),
+)
+
+
+def format_targets(rows: list[dict], verdicts: bool = True) -> str:
+    """One line per target: the worst value over the rows it covers, the threshold and, with
+    `verdicts` (a full bf16 run on an H100), met or not. Rows without a finite value (an unknown
+    peak bandwidth, a failed baseline) are left out."""
+    if verdicts:
+        lines = ["targets (issue #3; H100, bf16, full grid):"]
+    else:
+        lines = ["targets (issue #3; H100, bf16, full grid; not such a run, so values only, no verdict):"]
+    for what, selects, key, threshold, unit in TARGETS:
+        values = [r[key] for r in rows if selects(r) and r.get(key) is not None and math.isfinite(r[key])]
+        target = f"target >= {threshold:g}{unit}"
+        if not values:
+            lines.append(f"  {what}: n/a (no such rows with a value in this run); {target}")
+            continue
+        worst = min(values)
+        line = f"  {what}: worst {worst:.3g}{unit} over {len(values)} row(s); {target}"
+        if verdicts:
+            line += ": met" if worst >= threshold else ": NOT met"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def format_table(rows: list[dict]) -> str:
@@ -196,7 +307,16 @@ def main(argv: list[str] | None = None) -> int:
         "--dtype", choices=list(DTYPES), default=None, help="default: bf16 on CUDA, fp32 on CPU"
     )
     parser.add_argument("--csv", metavar="PATH", default=None, help="also write the table as CSV")
+    parser.add_argument(
+        "--peak-gbps",
+        type=float,
+        default=None,
+        metavar="GB/S",
+        help="peak HBM bandwidth in GB/s for the %% of peak column (default: looked up by device name)",
+    )
     args = parser.parse_args(argv)
+    if args.peak_gbps is not None and not (math.isfinite(args.peak_gbps) and args.peak_gbps > 0):
+        parser.error(f"--peak-gbps must be a positive number of GB/s, got {args.peak_gbps}")
 
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
@@ -212,9 +332,15 @@ def main(argv: list[str] | None = None) -> int:
     if not on_gpu:
         mode += ", Triton interpreter on CPU: timings are not meaningful"
     print(f"grid:   {mode}; ratio = ours / baseline throughput (> 1: ours faster)")
+    peak = peak_hbm_bytes_per_s(device_name(device), args.peak_gbps)
+    if peak is None:
+        print("peak HBM: unknown for this device (% of peak: n/a; give --peak-gbps)")
+    else:
+        source = "--peak-gbps" if args.peak_gbps is not None else "by device name"
+        print(f"peak HBM: {peak / 1e9:.0f} GB/s ({source})")
     print()
 
-    rows = bench_layer_norm(device, dtype, smoke)
+    rows = bench_layer_norm(device, dtype, smoke, peak)
     try:
         from kernels.bench_attention import bench_attention
     except ImportError as e:
@@ -223,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         rows += bench_attention(device, dtype, smoke)
 
     print(format_table(rows))
+    print()
+    full_h100_bf16 = on_gpu and not smoke and dtype == torch.bfloat16 and "H100" in device_name(device)
+    print(format_targets(rows, verdicts=full_h100_bf16))
     if args.csv:
         write_csv(rows, args.csv)
         print(f"\nwrote {args.csv}")

@@ -24,8 +24,11 @@ Files follow the kernel pattern of DESIGN.md: `_layer_norm_fwd_kernel` / `_layer
 references `layer_norm_reference` / `add_layer_norm_reference` sit beside them.
 
 Statistics are always fp32; inputs may be fp32, fp16 or bf16 and outputs come back in the
-input dtype. Weight-gradient reductions are deterministic: fp32 partial sums per program into
-a (P, N) buffer, then a torch `.sum(0)`; no atomics, no locks.
+input dtype. (Under the Triton CPU interpreter, triton 3.x, the final fp32 -> bf16 rounding is
+toward zero instead of to nearest even as on a GPU: bf16 results, the fused op's `summed`
+included, may differ from torch's by one bf16 ulp there.) Weight-gradient reductions are
+deterministic: fp32 partial sums per program into a (P, N) buffer, then a torch `.sum(0)`; no
+atomics, no locks.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """FlashAttention kernels against the torch reference: output and every gradient, odd shapes, both
 masks, both scales, bad inputs, determinism.
 
-On CPU the kernels run under the Triton interpreter (slow: a covering grid, not the full product,
-with small B and H). bf16 runs only on GPU: the interpreter stores bf16 as raw uint16 and its
-`tl.dot` (a numpy matmul) cannot multiply it.
+On CPU the kernels run under the Triton interpreter (slow: the full T x mask x scale product at one
+head width, every head width with both masks, small B and H). bf16 runs only on GPU: the
+interpreter stores bf16 as raw uint16 and its `tl.dot` (a numpy matmul) cannot multiply it.
 """
 
 import math
@@ -39,28 +39,53 @@ DTYPES = [
     pytest.param((torch.bfloat16, 4e-2, 4e-2), id="bf16", marks=GPU_ONLY_BF16),
 ]
 
-# (B, H, T, d_qk, d_vo, causal, scale): every T with a few head-width pairs, every head width at
-# T=17, unequal d_qk/d_vo both ways, both masks and both scales spread across them.
+# (B, H, T, d_qk, d_vo, causal, scale). The issue's grid: T in {1, 17, 128, 257}, head widths
+# {16, 40, 64, 96, 128} (also d_qk != d_vo), causal and bidirectional, scale 1.0 and the default.
+SEQ_LENS = (1, 17, 128, 257)
+MASKS = (True, False)
+SCALES = (None, 1.0)
+
+# Every T x mask x scale at d_qk = d_vo = 64 (B x H = 2 heads, one at T = 257 to keep it quick).
+CROSS = [
+    (1, 1 if T == 257 else 2, T, 64, 64, causal, scale)
+    for T in SEQ_LENS
+    for causal in MASKS
+    for scale in SCALES
+]
+
+# Every head width, square and unequal both ways, with both masks at T = 17; the scale alternates
+# so that each mask meets both scales across the widths.
+HEAD_WIDTHS = [(16, 16), (40, 40), (96, 96), (128, 128), (16, 128), (128, 48), (40, 96), (96, 40)]
+WIDTHS = [
+    (1, 2, 17, d_qk, d_vo, causal, SCALES[(i + causal) % 2])
+    for i, (d_qk, d_vo) in enumerate(HEAD_WIDTHS)
+    for causal in MASKS
+]
+
 CASES = [
-    # every T
+    *CROSS,
+    *WIDTHS,
+    # batch > 1 (the batch stride), unequal widths at the other lengths
     (2, 2, 1, 64, 64, True, None),
     (1, 1, 1, 128, 16, False, 1.0),
-    (1, 2, 17, 64, 64, False, 1.0),
-    (1, 2, 128, 64, 64, True, None),
     (2, 1, 128, 96, 40, False, None),
-    (1, 1, 257, 64, 64, False, None),
     (1, 1, 257, 40, 96, True, 1.0),
-    # every head width at T=17
-    (1, 2, 17, 16, 16, True, None),
-    (1, 2, 17, 40, 40, True, 1.0),
-    (1, 2, 17, 96, 96, False, None),
-    (1, 2, 17, 128, 128, True, None),
-    (1, 2, 17, 16, 128, False, None),
-    (1, 2, 17, 128, 48, True, 1.0),
     # the extremes of the supported widths: below a tl.dot tile (padded to 16) and the maximum
     (1, 1, 33, 8, 24, True, 1.0),
     (1, 1, 17, MAX_HEAD_DIM, MAX_HEAD_DIM, False, None),
 ]
+
+
+def test_cases_cover_the_issue_grid():
+    """The grid above really is the one the issue asks for (a guard against editing it away)."""
+    at_64 = {(T, causal, scale) for _, _, T, d_qk, d_vo, causal, scale in CASES if (d_qk, d_vo) == (64, 64)}
+    assert at_64 >= {(T, c, s) for T in SEQ_LENS for c in MASKS for s in SCALES}
+    for d in (16, 40, 64, 96, 128):
+        for causal in MASKS:
+            assert any(c[3] == c[4] == d and c[5] == causal for c in CASES), (d, causal)
+    for causal in MASKS:
+        unequal = {(c[3], c[4]) for c in CASES if c[3] != c[4] and c[5] == causal}
+        assert any(q < v for q, v in unequal) and any(q > v for q, v in unequal), causal
 
 
 def _module():
