@@ -163,6 +163,14 @@ LAUNCHES: dict[str, Launch] = {
         ("2proc-zero0", "2proc-zero1", "2proc-zero2", "2proc-zero3"),
         "2proc-zero${deepspeed.stage}",
     ),
+    # ZeRO-3 with optimizer state and parameters offloaded (DeepSpeed's offload path; on a CPU
+    # device the memory stays where it was, but the partitioning and update code is the real one)
+    "offload": Launch(
+        2,
+        ("deepspeed=zero3_offload", "trainer.micro_batch_size=4"),
+        ("2proc-zero3-offload",),
+        "2proc-zero3-offload",
+    ),
     # gradient accumulation 2 (micro-batches of 2 on each of 2 ranks) with activation
     # checkpointing, at ZeRO-3, for the tiny preset and for seed_gpt (tied W_U = W_E, no norms)
     "accum": Launch(

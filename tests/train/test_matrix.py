@@ -61,6 +61,17 @@ def test_zero_shards_optimizer_state(runs, stage):
         assert rank["optimizer_state_bytes"] == pytest.approx(full / 2, rel=0.03), (one, two)
 
 
+def test_zero3_offload_shards_and_offloads(runs):
+    run = runs.get("2proc-zero3-offload").check()
+    engine = run.stats()["engine"]
+    assert engine["stage"] == 3 and engine["offload_optimizer"] and engine["offload_param"]
+    assert "offload optimizer, offload params" in run.stdout
+    full = runs.get("1proc").check().stats()["ranks"][0]["optimizer_state_bytes"]
+    for rank in run.stats()["ranks"]:
+        assert rank["optimizer_state_bytes"] == pytest.approx(full / 2, rel=0.03)
+        assert rank["param_bytes"] == pytest.approx(rank["full_param_bytes"] / 2, rel=0.03)
+
+
 def test_zero0_replicates_optimizer_state(runs):
     full = runs.get("1proc").check().stats()["ranks"][0]["optimizer_state_bytes"]
     for rank in runs.get("2proc-zero0").check().stats()["ranks"]:
