@@ -62,7 +62,7 @@ def run(opts: dict) -> dict:
     if opts.get("threads"):
         torch.set_num_threads(int(opts["threads"]))
     cfg = compose_model(opts["preset"], list(opts.get("set") or []))
-    prepare_kernels(cfg.kernels, device)  # Triton's CPU interpreter for kernels=triton
+    prepare_kernels(cfg.kernels, device, dtype)  # Triton's CPU interpreter for kernels=triton
     torch.manual_seed(0)
     model = Transformer(cfg).to(device=device, dtype=dtype).eval()
     n_prompt = opts["prompt_tokens"]

@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         if opts["model"]:
             path = Path(opts["model"])
             model, tok, meta = load_model(path, device=device, dtype=dtype, tokenizer=opts["tokenizer"])
-            prepare_kernels(model.cfg.kernels, device)  # Triton's CPU interpreter for kernels=triton
+            prepare_kernels(model.cfg.kernels, device, next(model.parameters()).dtype)
             config = None
             if meta.get("format") == "checkpoint":
                 config = resolve_checkpoint(path, verify_hashes=False).config
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             except ExportError as exc:
                 print(f"{PROG}: warning: skipping {tag_dir.name}: {exc}", file=sys.stderr, flush=True)
                 continue
-            prepare_kernels(model.cfg.kernels, device)
+            prepare_kernels(model.cfg.kernels, device, next(model.parameters()).dtype)
             result = evaluate_source(model, tok, source, opts)
             row = {"step": int(meta.get("step") or 0), "checkpoint": tag_dir.name, **result.as_dict()}
             rows.append(row)

@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         model, tok, _ = load_model(
             opts["model"], device=device, dtype=resolve_dtype(opts["dtype"]), tokenizer=opts["tokenizer"]
         )
-        prepare_kernels(model.cfg.kernels, device)  # Triton's CPU interpreter for kernels=triton
+        prepare_kernels(model.cfg.kernels, device, next(model.parameters()).dtype)
         use_cache = opts["cache"]
         if use_cache and not cache_supported(model.cfg):
             warn("this model's attention is not causal row-softmax; generating without a KV cache")

@@ -49,7 +49,7 @@ def _imported_triton_mode() -> str | None:
     return "compiled" if compiled else "interpreter"
 
 
-def prepare_kernels(kernels: str, device: torch.device | str) -> None:
+def prepare_kernels(kernels: str, device: torch.device | str, dtype: torch.dtype | None = None) -> None:
     """Make `model.kernels=<kernels>` runnable on `device`. Call it once per process, as early as
     the setting and the device are known and before anything imports triton (DeepSpeed's
     initialize does, for one).
@@ -58,11 +58,26 @@ def prepare_kernels(kernels: str, device: torch.device | str) -> None:
     is imported this sets TRITON_INTERPRET=1 in os.environ (child processes inherit it); when
     triton is already imported for the interpreter there is nothing to do; when it was imported
     for compiled GPU code, which cannot be undone in this process, it raises one ConfigError
-    saying how to start the process instead. "auto" and "torch" run torch ops on CPU, and on
-    CUDA every setting runs as imported: both return without touching anything.
+    saying how to start the process instead; with `dtype` bf16 it raises one ConfigError too (the
+    interpreter cannot compute bf16 attention). "auto" and "torch" run torch ops on CPU, and on
+    CUDA every setting runs as imported, with a warning when TRITON_INTERPRET would make the
+    kernels run interpreted there.
     """
-    if kernels != "triton" or torch.device(device).type == "cuda":
+    on_cuda = torch.device(device).type == "cuda"
+    if on_cuda and kernels != "torch" and os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUTHY:
+        print(
+            "lmsys: warning: TRITON_INTERPRET is set: the Triton kernels run in the Python "
+            "interpreter, thousands of times slower than compiled; unset it on a GPU machine",
+            file=sys.stderr,
+            flush=True,
+        )
+    if kernels != "triton" or on_cuda:
         return
+    if dtype == torch.bfloat16:  # the interpreter's bf16 matmuls return garbage, not an error
+        raise ConfigError(
+            f"model.kernels=triton with bf16 on {torch.device(device)}: the Triton CPU interpreter "
+            "cannot compute bf16 attention; use fp32 there, or model.kernels=auto (torch ops)"
+        )
     mode = _imported_triton_mode()
     if mode is None:
         os.environ["TRITON_INTERPRET"] = "1"

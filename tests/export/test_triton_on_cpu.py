@@ -61,3 +61,16 @@ def test_triton_export_runs_on_cpu_without_triton_interpret(tmp_path, tokenizer_
     assert completions["triton"]["completion"] == completions["torch"]["completion"]
     losses = {k: json.loads((tmp_path / f"{k}.json").read_text())["loss"] for k in ("torch", "triton")}
     assert losses["triton"] == pytest.approx(losses["torch"], rel=1e-5)
+
+    # bf16 on CPU with the Triton kernels: the interpreter cannot, so one error line, exit 2
+    bf16 = subprocess.run(
+        cli_command("lmsys.generate", str(tmp_path / "triton"), "prompt=def ", "device=cpu", "dtype=bf16"),
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert bf16.returncode == 2, bf16.stdout + bf16.stderr
+    assert bf16.stderr.startswith("lmsys-generate: error: model.kernels=triton with bf16 on cpu")
+    assert len(bf16.stderr.strip().splitlines()) == 1, bf16.stderr

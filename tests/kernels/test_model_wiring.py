@@ -196,6 +196,20 @@ def test_prepare_kernels_after_a_compiled_triton_import_is_one_clear_error():
         assert f"{name}: triton failed" in proc.stdout, proc.stdout
 
 
+def test_prepare_kernels_warns_of_the_interpreter_on_cuda(monkeypatch, capsys):
+    from lmsys import ops
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ops.prepare_kernels("torch", "cuda")
+    assert capsys.readouterr().err == ""
+    for choice in ("auto", "triton"):
+        ops.prepare_kernels(choice, "cuda")
+        assert "warning: TRITON_INTERPRET is set" in capsys.readouterr().err
+    monkeypatch.delenv("TRITON_INTERPRET")
+    ops.prepare_kernels("triton", "cuda")
+    assert capsys.readouterr().err == ""
+
+
 def test_prepare_kernels_in_this_session():
     """Here triton was imported as conftest chose: interpreter on CPU, compiled with CUDA."""
     from lmsys import ops
@@ -207,6 +221,9 @@ def test_prepare_kernels_in_this_session():
     if DEVICE == "cpu":
         assert ops._imported_triton_mode() == "interpreter"
         ops.prepare_kernels("triton", "cpu")
+        ops.prepare_kernels("triton", "cpu", torch.float16)
+        with pytest.raises(ConfigError, match="cannot compute bf16 attention"):
+            ops.prepare_kernels("triton", "cpu", torch.bfloat16)
     else:
         assert ops._imported_triton_mode() == "compiled"
         with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
