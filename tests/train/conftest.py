@@ -167,7 +167,7 @@ LAUNCHES: dict[str, Launch] = {
     # device the memory stays where it was, but the partitioning and update code is the real one)
     "offload": Launch(
         2,
-        ("deepspeed=zero3_offload", "trainer.micro_batch_size=4"),
+        ("deepspeed=zero3_offload", "trainer.micro_batch_size=4", "trainer.keep_last=1"),
         ("2proc-zero3-offload",),
         "2proc-zero3-offload",
     ),

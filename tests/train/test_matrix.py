@@ -72,6 +72,18 @@ def test_zero3_offload_shards_and_offloads(runs):
         assert rank["param_bytes"] == pytest.approx(rank["full_param_bytes"] / 2, rel=0.03)
 
 
+def test_keep_last_prunes_older_checkpoints(runs):
+    """A checkpoint every 2 of 6 steps: keep_last=3 (the 1-process run) keeps them all,
+    keep_last=1 (the offload run) only the newest."""
+    steps = {}
+    for name in ("1proc", "2proc-zero3-offload"):
+        root = runs.get(name).check().run_dir / "checkpoints"
+        steps[name] = sorted(p.name for p in root.glob("step_*"))
+        assert (root / "latest").read_text() == "step_0000006"
+    assert steps["1proc"] == ["step_0000002", "step_0000004", "step_0000006"]
+    assert steps["2proc-zero3-offload"] == ["step_0000006"]
+
+
 def test_zero0_replicates_optimizer_state(runs):
     full = runs.get("1proc").check().stats()["ranks"][0]["optimizer_state_bytes"]
     for rank in runs.get("2proc-zero0").check().stats()["ranks"]:
