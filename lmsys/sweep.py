@@ -235,6 +235,47 @@ def multirun_defaults(cfg: Any) -> None:
             cfg.logger.group = sweep_name(hc.sweep.dir)
 
 
+SWEEP_DIR_KEY = "lmsys/sweep_dir"  # in torchrun's store: the sweep directory the ranks agreed on
+
+
+def default_sweep_dir() -> str:
+    """conf/config.yaml's hydra.sweep.dir with its `${now:FORMAT}` resolved to this moment."""
+    import re
+    from datetime import datetime
+
+    import yaml
+
+    pattern = str(yaml.safe_load((CONF_DIR / "config.yaml").read_text())["hydra"]["sweep"]["dir"])
+    now = datetime.now()
+    return re.sub(r"\$\{now:([^}]*)\}", lambda m: now.strftime(m.group(1)), pattern)
+
+
+def shared_sweep_dir(argv: Sequence[str], timeout_s: float = 300.0) -> list[str]:
+    """`lmsys-train -m` under torchrun: every rank runs Hydra's multirun, and each would resolve
+    the default hydra.sweep.dir's `${now:...}` on its own, a second apart at times, so the ranks
+    would write to different sweep directories. Here the ranks agree on one through torchrun's
+    own store (the first rank to ask sets it; the store lives as long as the launcher, so an
+    elastic restart finds the same directory and its jobs resume from their checkpoints), and
+    it is appended to argv as hydra.sweep.dir. argv comes back as it is when hydra.sweep.dir is
+    given, or when not under torchrun (no agent store to agree through)."""
+    argv = list(argv)
+    given = any(a.split("=", 1)[0].lstrip("+~") == "hydra.sweep.dir" for a in argv)
+    if given or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return argv
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    agreed = store.compare_set(SWEEP_DIR_KEY, "", default_sweep_dir()).decode()
+    return [*argv, f"hydra.sweep.dir={agreed}"]
+
+
 def submitit_distributed_env() -> bool:
     """In a hydra/launcher=slurm job of several SLURM tasks (hydra.launcher.tasks_per_node=8, nodes=N)
     every task runs the training function: export torch.distributed's env:// variables (RANK,

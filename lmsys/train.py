@@ -628,12 +628,13 @@ def main(argv: list[str] | None = None) -> int:
             _fail(exc, 2)
     elif "-m" in argv or "--multirun" in argv:
         # Every job of the sweep composed up front: a misspelled key is one line before any job runs.
-        from lmsys.sweep import check_multirun
+        from lmsys.sweep import check_multirun, shared_sweep_dir
 
         try:
             check_multirun(argv)
         except ConfigError as exc:
             _fail(exc, 2)
+        argv = shared_sweep_dir(argv)  # under torchrun: one sweep directory for all ranks
     sys.argv = [sys.argv[0] if sys.argv else PROG, *argv]
     _hydra_task()
     return 0

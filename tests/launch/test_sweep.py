@@ -256,3 +256,47 @@ def test_lmsys_train_multirun_gives_each_job_its_run_dir_and_group(tiny, tmp_pat
         table = list(csv.DictReader(handle))
     assert [r["status"] for r in table] == ["completed", "failed or not run"] * 2
     assert (sweep_dir / "losses.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_shared_sweep_dir_is_the_one_the_first_rank_set(monkeypatch):
+    """Under torchrun the ranks agree on hydra.sweep.dir through the launcher's store: a rank
+    that asks after another one gets that one's directory, whatever its own clock says."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from lmsys.sweep import SWEEP_DIR_KEY, default_sweep_dir, shared_sweep_dir
+
+    argv = ["-m", "optim.lr=1e-3,3e-4"]
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert shared_sweep_dir(argv) == argv  # not under torchrun: Hydra resolves ${now:...} itself
+    assert default_sweep_dir().startswith("runs/multirun-") and "${" not in default_sweep_dir()
+
+    agent_store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(agent_store.port))
+    first = shared_sweep_dir(argv)
+    assert first[:2] == argv and first[2].startswith("hydra.sweep.dir=runs/multirun-")
+    agent_store.set(SWEEP_DIR_KEY, "runs/multirun-set-by-rank-0")  # as if another rank was first
+    assert shared_sweep_dir(argv) == [*argv, "hydra.sweep.dir=runs/multirun-set-by-rank-0"]
+    given = [*argv, "hydra.sweep.dir=mine"]
+    assert shared_sweep_dir(given) == given  # the user's choice stands
+
+
+@pytest.mark.slow
+def test_lmsys_train_multirun_under_torchrun_has_one_sweep_dir(tiny, tmp_path):
+    """`torchrun --nproc_per_node=2 -m lmsys.train -m ...`: both ranks run Hydra; every job
+    trains on both ranks, in one sweep directory (the default one, under the working directory).
+    Without the agreement the ranks would differ only when their clocks straddle a second, so
+    this checks the real torchrun store path; the test above checks the agreement itself."""
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    command = [torchrun, "--standalone", "--nproc_per_node=2", "-m", "lmsys.train", "-m", *tiny]
+    proc = run([*command, "optim.lr=3e-3,1e-3"], timeout=400, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    sweep_dirs = sorted((tmp_path / "runs").iterdir())
+    assert len(sweep_dirs) == 1 and sweep_dirs[0].name.startswith("multirun-"), sweep_dirs
+    sweep_dir = sweep_dirs[0]
+    curves = [assert_trained(sweep_dir / str(num), world_size=2, proc=proc) for num in (0, 1)]
+    assert curves[0] != curves[1]
+    assert (sweep_dir / "multirun.yaml").is_file() and (sweep_dir / "summary.csv").is_file()
