@@ -286,17 +286,22 @@ def test_shared_sweep_dir_is_the_one_the_first_rank_set(monkeypatch):
 
 @pytest.mark.slow
 def test_lmsys_train_multirun_under_torchrun_has_one_sweep_dir(tiny, tmp_path):
-    """`torchrun --nproc_per_node=2 -m lmsys.train -m ...`: both ranks run Hydra; every job
-    trains on both ranks, in one sweep directory (the default one, under the working directory).
-    Without the agreement the ranks would differ only when their clocks straddle a second, so
-    this checks the real torchrun store path; the test above checks the agreement itself."""
+    """`torchrun --nproc_per_node=2 --max-restarts=1 -m lmsys.train -m ...`: both ranks run Hydra
+    and every job trains on both, in one sweep directory (the default one, under the working
+    directory). Job 0 loses rank 1 at step 4 on the first attempt; torchrun restarts the ranks,
+    which find the same sweep directory through its store, so job 0 resumes from its step-3
+    checkpoint and job 1 then runs. (Without the agreement the ranks would differ only when their
+    clocks straddle a second; the test above checks the agreement itself.)"""
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    command = [torchrun, "--standalone", "--nproc_per_node=2", "-m", "lmsys.train", "-m", *tiny]
-    proc = run([*command, "optim.lr=3e-3,1e-3"], timeout=400, cwd=tmp_path)
+    command = [torchrun, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "--monitor-interval=0.5"]
+    command += ["-m", "lmsys.train", "-m", *tiny, "trainer.debug_crash_at_step=4", "optim.lr=3e-3,1e-3"]
+    proc = run(command, timeout=400, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "rank 1 exits at step 4" in proc.stdout and "step_0000003 (step 3)" in proc.stdout
     sweep_dirs = sorted((tmp_path / "runs").iterdir())
     assert len(sweep_dirs) == 1 and sweep_dirs[0].name.startswith("multirun-"), sweep_dirs
     sweep_dir = sweep_dirs[0]
     curves = [assert_trained(sweep_dir / str(num), world_size=2, proc=proc) for num in (0, 1)]
     assert curves[0] != curves[1]
+    assert len(run_meta(sweep_dir / "0")["launches"]) == 2  # trained, then resumed
     assert (sweep_dir / "multirun.yaml").is_file() and (sweep_dir / "summary.csv").is_file()
