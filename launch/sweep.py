@@ -15,7 +15,7 @@ line, exit 2), then the jobs run one after the other, each as
 (`python -m lmsys.train` directly when --nproc is 1). Each job thus has its own run directory and
 its own W&B run, grouped under the sweep's name (the sweep directory's name unless --name or a
 logger.group override is given). `<sweep_dir>/sweep.json` records every job's overrides, status,
-exit code and duration as it goes; at the end `lmsys.sweep.summarize` prints the comparison table
+exit code and duration as it goes; at the end `lmsys.sweep.summary.summarize` prints the comparison table
 and writes summary.csv and losses.png into the sweep directory.
 
 Running the same command with the same --sweep-dir again skips the completed jobs and restarts
@@ -45,10 +45,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `python launch/sweep.py` as well as `python -m launch.sweep`
     sys.path.insert(0, str(REPO_ROOT))
 
-from launch.torchrun import LaunchError, Plan, make_plan  # noqa: E402
+from launch.torchrun import Plan, make_plan  # noqa: E402
 from launch.torchrun import build_parser as launcher_parser  # noqa: E402
-from lmsys.config import ConfigError  # noqa: E402
-from lmsys.sweep import SWEEP_FILE, check_jobs, expand_sweep, summarize, sweep_name  # noqa: E402
+from lmsys.cli import run_cli, warn  # noqa: E402
+from lmsys.errors import ConfigError, UsageError  # noqa: E402
+from lmsys.files import atomic_write_text  # noqa: E402
+from lmsys.sweep.multirun import SWEEP_FILE, check_jobs, expand_sweep, sweep_name  # noqa: E402
+from lmsys.sweep.summary import summarize  # noqa: E402
 
 PROG = "lmsys-sweep"
 TORCHRUN = Path(__file__).resolve().with_name("torchrun.py")
@@ -105,9 +108,7 @@ def _drop_option(args: list[str], name: str) -> list[str]:
 
 
 def _write_index(path: Path, index: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(index, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(index, indent=1) + "\n")
 
 
 def _env() -> dict[str, str]:
@@ -158,67 +159,49 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _split_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str]]:
+    """(our options, launch/torchrun.py's options, the sweep overrides)."""
     if "--" in argv:
         split = argv.index("--")
-        ours, overrides = argv[:split], argv[split + 1 :]
-        args, launcher_args = build_parser().parse_known_args(ours)
-    else:
-        args, rest = build_parser().parse_known_args(argv)
-        launcher_args = [a for a in rest if a.startswith("-")]
-        overrides = [a for a in rest if not a.startswith("-")]
-        if launcher_args:  # an option's value would be taken for an override: ask for `--`
-            print(
-                f"{PROG}: error: put the sweep overrides after `--` when passing {launcher_args[0]}",
-                file=sys.stderr,
-            )
-            return 2
-    try:
-        if any(_key(o) in RESERVED for o in overrides):
-            raise ConfigError(
-                "trainer.run_dir is set per job (<sweep_dir>/<job number>); use --sweep-dir instead"
-            )
-        plan = launch_plan(args.nproc, launcher_args)
-        if plan is not None and plan.nnodes > 1 and not args.sweep_dir:
-            raise ConfigError(
-                f"a sweep over {plan.nnodes} nodes needs --sweep-dir, the same on every node "
-                "(on a shared filesystem)"
-            )
-        jobs = expand_sweep(overrides)
-        check_jobs(jobs, world_size=1 if plan is None else plan.nproc * plan.nnodes)
-    except ConfigError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    except LaunchError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
-        return exc.code
-    # Every node runs every job; node 0 alone keeps sweep.json and writes the summary.
-    primary = plan is None or plan.node_rank == 0
-    sweep_dir = Path(args.sweep_dir or f"runs/sweep-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
-    group = (
-        None if any(_key(o) == "logger.group" for o in overrides) else (args.name or sweep_name(sweep_dir))
-    )
-    commands = [
-        job_command(job, i, args.nproc, launcher_args, plan, sweep_dir / str(i), group)
-        for i, job in enumerate(jobs)
-    ]
-    if args.dry_run:
-        for i, command in enumerate(commands):
-            print(f"job {i}: {' '.join(command)}")
-        return 0
+        args, launcher_args = build_parser().parse_known_args(argv[:split])
+        return args, launcher_args, argv[split + 1 :]
+    args, rest = build_parser().parse_known_args(argv)
+    launcher_args = [a for a in rest if a.startswith("-")]
+    if launcher_args:  # an option's value would be taken for an override: ask for `--`
+        raise UsageError(f"put the sweep overrides after `--` when passing {launcher_args[0]}")
+    return args, [], rest
 
-    index_path = sweep_dir / SWEEP_FILE
+
+def _check(
+    args: argparse.Namespace, launcher_args: list[str], overrides: list[str]
+) -> tuple[Plan | None, list]:
+    """Everything checkable before the first job: the launcher options, every job's config."""
+    if any(_key(o) in RESERVED for o in overrides):
+        raise ConfigError(
+            "trainer.run_dir is set per job (<sweep_dir>/<job number>); use --sweep-dir instead"
+        )
+    plan = launch_plan(args.nproc, launcher_args)
+    if plan is not None and plan.nnodes > 1 and not args.sweep_dir:
+        raise ConfigError(
+            f"a sweep over {plan.nnodes} nodes needs --sweep-dir, the same on every node "
+            "(on a shared filesystem)"
+        )
+    jobs = expand_sweep(overrides)
+    check_jobs(jobs, world_size=1 if plan is None else plan.nproc * plan.nnodes)
+    return plan, jobs
+
+
+def _open_index(sweep_dir: Path, group: str | None, overrides: list[str], jobs: list) -> dict:
+    """sweep.json's contents: the earlier run's (to finish it) or a new index of pending jobs."""
     index = {"sweep_dir": str(sweep_dir), "group": group, "overrides": overrides, "jobs": []}
+    index_path = sweep_dir / SWEEP_FILE
     if index_path.is_file():
         old = json.loads(index_path.read_text(encoding="utf-8"))
         if [j["overrides"] for j in old.get("jobs", [])] != jobs:
-            print(
-                f"{PROG}: error: {sweep_dir} holds another sweep ({' '.join(old.get('overrides', []))}); "
-                "choose another --sweep-dir",
-                file=sys.stderr,
+            raise UsageError(
+                f"{sweep_dir} holds another sweep ({' '.join(old.get('overrides', []))}); "
+                "choose another --sweep-dir"
             )
-            return 2
         index["jobs"] = old["jobs"]
     else:
         sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -226,17 +209,18 @@ def main(argv: list[str] | None = None) -> int:
             {"num": i, "overrides": job, "run_dir": str(sweep_dir / str(i)), "status": "pending"}
             for i, job in enumerate(jobs)
         ]
-    save = (lambda: _write_index(index_path, index)) if primary else (lambda: None)
-    save()
-    print(f"{PROG}: {len(jobs)} job(s) in {sweep_dir} (W&B group {group or 'from logger.group'})", flush=True)
+    return index
 
-    exit_code = 0
+
+def _run_jobs(index: dict, commands: list[list[str]], keep_going: bool, save) -> int:
+    """Every job not completed yet, in order; the sweep's exit status."""
+    exit_code, total = 0, len(commands)
     try:
         for i, (entry, command) in enumerate(zip(index["jobs"], commands)):
             if entry["status"] == "completed":
-                print(f"{PROG}: job {i}/{len(jobs)}: already completed, skipped", flush=True)
+                print(f"{PROG}: job {i}/{total}: already completed, skipped", flush=True)
                 continue
-            print(f"{PROG}: job {i}/{len(jobs)}: {' '.join(entry['overrides'])}", flush=True)
+            print(f"{PROG}: job {i}/{total}: {' '.join(entry['overrides'])}", flush=True)
             entry.update(status="running", started=datetime.now().isoformat(timespec="seconds"))
             save()
             t0 = time.perf_counter()
@@ -254,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             if code != 0:
                 print(f"{PROG}: job {i} failed with exit status {code}", file=sys.stderr, flush=True)
                 exit_code = exit_code or code
-                if not args.keep_going:
+                if not keep_going:
                     break
     except KeyboardInterrupt:
         save()
@@ -264,13 +248,44 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         exit_code = 130
-    if not primary:
-        return exit_code
-    try:
-        summarize(sweep_dir, plot_png=not args.no_plot)
-    except ConfigError as exc:
-        print(f"{PROG}: warning: no summary: {exc}", file=sys.stderr, flush=True)
     return exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+
+    def body() -> int:
+        args, launcher_args, overrides = _split_args(argv)
+        plan, jobs = _check(args, launcher_args, overrides)
+        # Every node runs every job; node 0 alone keeps sweep.json and writes the summary.
+        primary = plan is None or plan.node_rank == 0
+        sweep_dir = Path(args.sweep_dir or f"runs/sweep-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+        given_group = any(_key(o) == "logger.group" for o in overrides)
+        group = None if given_group else (args.name or sweep_name(sweep_dir))
+        commands = [
+            job_command(job, i, args.nproc, launcher_args, plan, sweep_dir / str(i), group)
+            for i, job in enumerate(jobs)
+        ]
+        if args.dry_run:
+            for i, command in enumerate(commands):
+                print(f"job {i}: {' '.join(command)}")
+            return 0
+        index = _open_index(sweep_dir, group, overrides, jobs)
+        save = (lambda: _write_index(sweep_dir / SWEEP_FILE, index)) if primary else (lambda: None)
+        save()
+        print(
+            f"{PROG}: {len(jobs)} job(s) in {sweep_dir} (W&B group {group or 'from logger.group'})",
+            flush=True,
+        )
+        exit_code = _run_jobs(index, commands, args.keep_going, save)
+        if primary:
+            try:
+                summarize(sweep_dir, plot_png=not args.no_plot)
+            except ConfigError as exc:
+                warn(PROG, f"no summary: {exc}")
+        return exit_code
+
+    return run_cli(PROG, body)
 
 
 if __name__ == "__main__":

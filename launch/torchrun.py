@@ -48,6 +48,14 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # `python launch/torchrun.py` as well as `python -m launch.torchrun`
+    sys.path.insert(0, str(REPO_ROOT))
+
+from lmsys.cli import run_cli  # noqa: E402  (after the path set-up above)
+from lmsys.errors import LmsysError  # noqa: E402
 
 PROG = "lmsys-launch"
 DEFAULT_PORT = 29400
@@ -57,12 +65,12 @@ EXIT_USAGE = 2
 EXIT_RENDEZVOUS = 3
 
 
-class LaunchError(Exception):
+class LaunchError(LmsysError):
     """A one-line problem for the user, with the exit status to leave with."""
 
     def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
         super().__init__(message)
-        self.code = code
+        self.exit_code = code
 
 
 # ----------------------------------------------------------------------------- what runs where
@@ -390,6 +398,7 @@ def worker_threads(nproc: int) -> int:
 
 def run_torchrun(plan: Plan, overrides: list[str]) -> int:
     """torchrun in this process (its agent handles signals itself); the exit status to leave with."""
+    # torch is imported only here: --help, --dry-run and every argument check answer without it.
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import (
@@ -477,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = list(args.overrides)
     if overrides and overrides[0] == "--":
         overrides = overrides[1:]
-    try:
+
+    def body() -> int:
         plan = make_plan(args, os.environ)
         command = [sys.executable, "-m", "torch.distributed.run", *plan.torchrun_args(overrides)]
         print(f"{PROG}: {plan.describe()}", flush=True)
@@ -493,12 +503,8 @@ def main(argv: list[str] | None = None) -> int:
                 check_store_answers(plan.endpoint, plan.timeout_s - (time.monotonic() - started))
         os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(plan.nproc)))
         return run_torchrun(plan, overrides)
-    except LaunchError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
-        return exc.code
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr, flush=True)
-        return 130
+
+    return run_cli(PROG, body)
 
 
 if __name__ == "__main__":

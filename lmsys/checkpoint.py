@@ -1,56 +1,63 @@
-"""Atomic, resumable DeepSpeed checkpoints.
+"""The checkpoint format: atomic, verified DeepSpeed checkpoints with a typed train state, and the
+one rule that picks the checkpoint for resume, export, evaluation and generation alike.
 
 Layout inside a run directory:
 
     checkpoints/
       step_0000100/                    one DeepSpeed tag: model, ZeRO optimizer partitions, ...
-        mp_rank_00_model_states.pt     (DeepSpeed's files; client state included)
+        mp_rank_00_model_states.pt     (DeepSpeed's files)
         zero_pp_rank_0_..._optim_states.pt
         rank_00000.json                each rank's loader position and RNG states
         lmsys_checkpoint.json          the completion marker, written last (see below)
-      latest                           the newest complete tag (DeepSpeed's convention)
+      latest                           the newest saved tag, for DeepSpeed's own tools
 
-How a checkpoint becomes visible, so that a kill -9 at any moment never leaves one that resume
-would pick up half-written:
+The marker holds the format and its version, the tag, the save time, the `TrainState` (step,
+tokens, losses, world size, ZeRO stage, precision, tokenizer sha256, W&B id, the resolved
+config) and the size and sha256 of every other file of the tag.
+
+How a checkpoint becomes visible, so that a kill -9 at any moment never leaves one that would
+be picked up half-written:
 
 1. every rank writes into `checkpoints/.tmp-step_0000100/` (DeepSpeed's save_checkpoint, then
    its own rank_*.json), and all ranks meet at a barrier;
-2. rank 0 writes `lmsys_checkpoint.json` (the client state plus the size and sha256 of every
-   file) into it, fsyncs, and renames the directory to `step_0000100`;
-3. `latest` is replaced atomically (write a temporary file, rename) last; old tags beyond
-   trainer.keep_last are deleted.
+2. rank 0 writes `lmsys_checkpoint.json` into it, fsyncs, and renames the directory to
+   `step_0000100`;
+3. `latest` is replaced atomically last; old tags beyond trainer.keep_last are deleted.
 
-Resume picks the newest `step_*` whose marker exists and whose files match it; anything else
-(no marker, a missing, truncated or altered file, a `.tmp-*` leftover) is skipped with a warning,
-falling back to the previous checkpoint.
+Which checkpoint (`resolve`, `find_latest`): a checkpoint directory names itself, and must be
+complete and intact; a run directory or its checkpoints/ directory means its newest complete,
+intact `step_*`, every newer one that is not (no marker, a missing, truncated or altered file)
+reported and skipped. `latest` is not consulted: after a fall-back it may name a damaged tag.
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
-import os
 import random
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-CHECKPOINTS = "checkpoints"
+from lmsys.config import ModelConfig, flatten_dict, model_config_from_dict
+from lmsys.engine import consolidated_state_dict
+from lmsys.errors import CheckpointError, ConfigError
+from lmsys.files import TMP_PREFIX, atomic_write_text, install_dir, sha256_file
+from lmsys.rundir import CHECKPOINTS, read_metrics, run_dir_of
+from lmsys.shards import TOKENIZER_FILE
+from lmsys.weights import model_state_dict
+
 MARKER = "lmsys_checkpoint.json"
 LATEST = "latest"
-TMP_PREFIX = ".tmp-"
 FORMAT = "lmsys-checkpoint"
 FORMAT_VERSION = 1
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used for this run; the message is one line saying why."""
 
 
 def tag_for(step: int) -> str:
@@ -66,39 +73,44 @@ def step_of(tag: str) -> int | None:
         return None
 
 
-# ----------------------------------------------------------------------------- small file helpers
+# ----------------------------------------------------------------------------- the train state
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+@dataclass
+class TrainState:
+    """What a checkpoint records beside DeepSpeed's tensors: the same on every rank."""
 
+    step: int  # optimizer steps completed
+    tokens_seen: int
+    nan_skips: int  # steps skipped for a non-finite loss so far
+    last_loss: float | None  # training loss of the last applied step
+    world_size: int  # ranks that saved it
+    zero_stage: int  # the ZeRO stage of its optimizer partitions
+    precision: str  # fp32 | bf16 | fp16
+    tokenizer_sha256: str  # of the tokenizer the training data was encoded with
+    wandb_id: str | None  # the W&B run a resumed run continues
+    config: dict[str, Any] = field(default_factory=dict)  # the resolved config (config_to_dict)
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` so a reader sees either the old file or the whole new one."""
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: Any, where: Path) -> TrainState:
+        """The state of a marker; CheckpointError naming the first missing field."""
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{where}: {MARKER} carries no train state")
+        missing = [f.name for f in fields(cls) if f.name not in data]
+        if missing:
+            raise CheckpointError(f"{where}: {MARKER} has no {missing[0]!r} in its train state")
+        if not isinstance(data["config"], dict) or not isinstance(data["config"].get("model"), dict):
+            raise CheckpointError(f"{where}: {MARKER} carries no training config")
+        return cls(**{f.name: data[f.name] for f in fields(cls)})
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    def model_config(self, where: Path) -> ModelConfig:
+        try:
+            return model_config_from_dict(self.config["model"])
+        except ConfigError as exc:
+            raise CheckpointError(f"checkpoint {where}: its model config is invalid: {exc}") from exc
 
 
 # ----------------------------------------------------------------------------- RNG states
@@ -136,8 +148,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _barrier() -> None:
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.barrier()
 
@@ -145,20 +155,16 @@ def _barrier() -> None:
 def save(
     engine: Any,
     run_dir: Path,
-    step: int,
-    client_state: dict[str, Any],
+    state: TrainState,
     rank_state: dict[str, Any],
     rank: int,
     keep_last: int,
 ) -> Path:
-    """Save a checkpoint of `step` atomically (see the module docstring). Every rank calls this.
-
-    client_state: JSON-able, the same on every rank (step, config, tokenizer sha256, ...);
-    rank_state: JSON-able, this rank's own (loader position, RNG states).
-    Returns the final checkpoint directory.
-    """
+    """Save the checkpoint of `state.step` atomically (see the module docstring). Every rank calls
+    this. rank_state: JSON-able, this rank's own (loader position, RNG states). Returns the final
+    checkpoint directory."""
     root = run_dir / CHECKPOINTS
-    tag = tag_for(step)
+    tag = tag_for(state.step)
     tmp_tag = f"{TMP_PREFIX}{tag}"
     tmp_dir, final_dir = root / tmp_tag, root / tag
     if rank == 0:
@@ -166,16 +172,16 @@ def save(
         if tmp_dir.exists():  # a leftover of a killed save of this same step
             shutil.rmtree(tmp_dir)
     _barrier()
-    engine.save_checkpoint(str(root), tag=tmp_tag, client_state={"lmsys": client_state}, save_latest=False)
+    engine.save_checkpoint(str(root), tag=tmp_tag, client_state={}, save_latest=False)
     atomic_write_text(tmp_dir / f"rank_{rank:05d}.json", json.dumps(rank_state))
     _barrier()
     if rank == 0:
-        commit(root, step, client_state, keep_last)
+        commit(root, state.step, state, keep_last)
     _barrier()
     return final_dir
 
 
-def commit(root: Path, step: int, client_state: dict[str, Any], keep_last: int) -> Path:
+def commit(root: Path, step: int, state: TrainState, keep_last: int) -> Path:
     """Rank 0, once every rank has written into `.tmp-<tag>`: write the marker (sizes and sha256
     of every file), rename the directory into place, move `latest`, prune old checkpoints."""
     tag = tag_for(step)
@@ -184,42 +190,49 @@ def commit(root: Path, step: int, client_state: dict[str, Any], keep_last: int) 
     for path in sorted(p for p in tmp_dir.rglob("*") if p.is_file()):
         rel = path.relative_to(tmp_dir).as_posix()
         if rel != MARKER:
-            files[rel] = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+            files[rel] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
     marker = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "tag": tag,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "state": client_state,
+        "state": state.to_dict(),
         "files": files,
     }
     atomic_write_text(tmp_dir / MARKER, json.dumps(marker, indent=1))
-    if final_dir.exists():  # re-saving a step after falling back past a bad checkpoint
-        stale = root / f"{TMP_PREFIX}stale-{tag}"
-        if stale.exists():
-            shutil.rmtree(stale)
-        os.rename(final_dir, stale)
-        os.rename(tmp_dir, final_dir)
-        shutil.rmtree(stale, ignore_errors=True)
-    else:
-        os.rename(tmp_dir, final_dir)
-    _fsync_dir(root)
+    install_dir(tmp_dir, final_dir)  # replaces a damaged checkpoint of this step after a fall-back
     atomic_write_text(root / LATEST, tag)
     prune(root, keep_last)
     return final_dir
 
 
 def prune(root: Path, keep_last: int) -> None:
-    """Keep the newest `keep_last` complete checkpoints; drop older ones and stale temporaries."""
+    """Keep the newest `keep_last` complete checkpoints; drop older ones and stale temporaries
+    (directories and files)."""
     complete = [(s, p) for s, p in list_checkpoints(root) if (p / MARKER).is_file()]
     for _, path in complete[keep_last:]:
         shutil.rmtree(path, ignore_errors=True)
-    for path in root.glob(f"{TMP_PREFIX}*"):
+    for path in root.glob(f"{TMP_PREFIX}*"):  # what a killed writer left: a tag or `latest` half-written
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
-# ----------------------------------------------------------------------------- find / verify
+# ----------------------------------------------------------------------------- which checkpoint
+
+
+@dataclass
+class Checkpoint:
+    """One complete, verified checkpoint tag."""
+
+    tag_dir: Path
+    state: TrainState
+    run_dir: Path | None  # the run it belongs to (None for a tag copied elsewhere)
+
+    @property
+    def step(self) -> int:
+        return self.state.step
 
 
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
@@ -246,6 +259,11 @@ def verify(path: Path, check_hashes: bool = True) -> dict[str, Any]:
         raise CheckpointError(f"{marker_path} is unreadable: {exc}") from exc
     if marker.get("format") != FORMAT or not isinstance(marker.get("files"), dict):
         raise CheckpointError(f"{marker_path} is not an lmsys checkpoint marker")
+    if int(marker.get("format_version", 0)) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{marker_path} has format version {marker['format_version']}, newer than this lmsys reads "
+            f"({FORMAT_VERSION}); update lmsys"
+        )
     for rel, meta in marker["files"].items():
         file = path / rel
         if not file.is_file():
@@ -253,39 +271,68 @@ def verify(path: Path, check_hashes: bool = True) -> dict[str, Any]:
         size = file.stat().st_size
         if size != meta["bytes"]:
             raise CheckpointError(f"{path}: {rel} has {size} bytes, expected {meta['bytes']} (truncated?)")
-        if check_hashes and file_sha256(file) != meta["sha256"]:
+        if check_hashes and sha256_file(file) != meta["sha256"]:
             raise CheckpointError(f"{path}: {rel} does not match its sha256 (corrupted)")
     return marker
 
 
-def find_latest(run_dir: Path, warn: Callable[[str], None]) -> tuple[Path, dict[str, Any]] | None:
-    """The newest complete, intact checkpoint of a run, or None. Every newer checkpoint that is
-    partial or corrupted is reported through `warn` and skipped."""
-    for _, path in list_checkpoints(run_dir / CHECKPOINTS):
+def _is_tag_dir(path: Path) -> bool:
+    return (path / MARKER).is_file() or any(path.glob("*model_states.pt"))
+
+
+def _open(tag_dir: Path, check_hashes: bool) -> Checkpoint:
+    marker = verify(tag_dir, check_hashes=check_hashes)
+    return Checkpoint(tag_dir, TrainState.from_dict(marker.get("state"), tag_dir), run_dir_of(tag_dir))
+
+
+def _newest_intact(run: Path, check_hashes: bool) -> tuple[Checkpoint | None, list[str]]:
+    """The newest complete, intact checkpoint under a run (or its checkpoints/ directory), and
+    why each newer one was passed over."""
+    root = run / CHECKPOINTS if (run / CHECKPOINTS).is_dir() else run
+    passed_over: list[str] = []
+    for _, path in list_checkpoints(root):
         try:
-            return path, verify(path)
+            return _open(path, check_hashes), passed_over
         except CheckpointError as exc:
-            warn(f"skipping checkpoint {path.name}: {exc}; falling back to the previous one")
-    return None
+            passed_over.append(f"checkpoint {path.name}: {exc}")
+    return None, passed_over
 
 
-def load_explicit(path: Path) -> tuple[Path, dict[str, Any]]:
-    """trainer.resume=<checkpoint dir>: that directory, which must be complete and intact."""
-    if not path.is_dir():
-        raise CheckpointError(f"trainer.resume={path} is not a checkpoint directory")
-    return path, verify(path)
+def find_latest(run: Path, warn: Callable[[str], None], check_hashes: bool = True) -> Checkpoint | None:
+    """The newest complete, intact checkpoint of a run directory (or of its checkpoints/
+    directory), or None when it has none. Every newer checkpoint that is partial or damaged is
+    reported through `warn` and skipped."""
+    found, passed_over = _newest_intact(run, check_hashes)
+    for reason in passed_over:
+        warn(f"skipping {reason}; falling back to the previous one")
+    return found
 
 
-# ----------------------------------------------------------------------------- compatibility
+def resolve(
+    path: str | Path, warn: Callable[[str], None] | None = None, check_hashes: bool = True
+) -> Checkpoint:
+    """The checkpoint `path` names (see the module docstring); CheckpointError when there is
+    none, saying why. Damaged checkpoints newer than the one chosen are reported through `warn`."""
+    p = Path(path)
+    if not p.is_dir():
+        raise CheckpointError(f"checkpoint {p} {'is not a directory' if p.exists() else 'does not exist'}")
+    if _is_tag_dir(p):
+        return _open(p, check_hashes)
+    found, passed_over = _newest_intact(p, check_hashes)
+    if found is None and passed_over:
+        raise CheckpointError(f"{p} holds no usable checkpoint: {passed_over[0]}")
+    if found is None:
+        raise CheckpointError(
+            f"{p} is not a checkpoint: expected a run directory, its {CHECKPOINTS}/ directory, or a "
+            f"checkpoint directory holding {MARKER}"
+        )
+    for reason in passed_over:
+        if warn is not None:
+            warn(f"skipping {reason}; using {found.tag_dir.name}")
+    return found
 
 
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict):
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return {prefix: d}
+# ----------------------------------------------------------------------------- resume
 
 
 # Model keys that choose an implementation, not the function: changing them on resume is fine.
@@ -293,13 +340,15 @@ _RUNTIME_MODEL_KEYS = {"model.kernels"}
 
 
 def check_compatible(
-    state: dict[str, Any], model_dict: dict[str, Any], tokenizer_sha256: str, world_size: int, stage: int
+    state: TrainState, model_dict: dict[str, Any], tokenizer_sha256: str, world_size: int, stage: int
 ) -> None:
     """Refuse (CheckpointError) a resume whose model function, tokenizer or ZeRO layout differs."""
     saved = {
-        k: v for k, v in _flatten({"model": state["config"]["model"]}).items() if k not in _RUNTIME_MODEL_KEYS
+        k: v
+        for k, v in flatten_dict({"model": state.config.get("model")}).items()
+        if k not in _RUNTIME_MODEL_KEYS
     }
-    now = {k: v for k, v in _flatten({"model": model_dict}).items() if k not in _RUNTIME_MODEL_KEYS}
+    now = {k: v for k, v in flatten_dict({"model": model_dict}).items() if k not in _RUNTIME_MODEL_KEYS}
     diffs = [
         f"{k}={now.get(k)!r} (checkpoint: {saved.get(k)!r})"
         for k in sorted(set(saved) | set(now))
@@ -308,21 +357,18 @@ def check_compatible(
     if diffs:
         shown = ", ".join(diffs[:4]) + (f" and {len(diffs) - 4} more" if len(diffs) > 4 else "")
         raise CheckpointError(f"cannot resume: the model differs from the checkpoint's: {shown}")
-    if state.get("tokenizer_sha256") != tokenizer_sha256:
+    if state.tokenizer_sha256 != tokenizer_sha256:
         raise CheckpointError(
             f"cannot resume: the data's tokenizer (sha256 {tokenizer_sha256[:12]}) differs from the "
-            f"checkpoint's ({str(state.get('tokenizer_sha256'))[:12]}); use the data.dir it was trained on"
+            f"checkpoint's ({state.tokenizer_sha256[:12]}); use the data.dir it was trained on"
         )
-    saved_stage, saved_world = int(state["zero_stage"]), int(state["world_size"])
+    saved_stage, saved_world = state.zero_stage, state.world_size
     if (saved_stage, saved_world) != (stage, world_size) and not (saved_stage == 0 and stage == 0):
         raise CheckpointError(
             f"cannot resume: the checkpoint holds ZeRO stage {saved_stage} state of {saved_world} ranks, "
             f"this run is stage {stage} on {world_size}; resume with deepspeed.stage={saved_stage} "
             f"on {saved_world} processes"
         )
-
-
-# ----------------------------------------------------------------------------- load
 
 
 def load(engine: Any, path: Path) -> None:
@@ -336,3 +382,94 @@ def load(engine: Any, path: Path) -> None:
 
 def read_rank_state(path: Path, rank: int) -> dict[str, Any]:
     return json.loads((path / f"rank_{rank:05d}.json").read_text(encoding="utf-8"))
+
+
+# ----------------------------------------------------------------------------- reading one back
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What the tools need of a checkpoint: its model, weights, tokenizer and provenance."""
+
+    cfg: ModelConfig
+    state: dict[str, torch.Tensor]  # Transformer keys, tied embedding once, fp32
+    tokenizer_path: Path
+    info: dict[str, Any] = field(default_factory=dict)  # provenance, for a model card
+    train_config: dict[str, Any] = field(default_factory=dict)  # the run's resolved config
+
+
+def read_checkpoint(path: str | Path | Checkpoint, tokenizer: str | Path | None = None) -> LoadedCheckpoint:
+    """A checkpoint's model config, consolidated weights (any ZeRO stage and world size),
+    tokenizer and provenance; nothing is written."""
+    ckpt = path if isinstance(path, Checkpoint) else resolve(path)
+    cfg = ckpt.state.model_config(ckpt.tag_dir)
+    tokenizer_path = find_tokenizer(ckpt, tokenizer)
+    weights = model_state_dict(consolidated_state_dict(ckpt.tag_dir, ckpt.state.zero_stage), cfg)
+    return LoadedCheckpoint(cfg, weights, tokenizer_path, provenance(ckpt), ckpt.state.config)
+
+
+def find_tokenizer(ckpt: Checkpoint, explicit: str | Path | None = None) -> Path:
+    """The tokenizer.model a checkpoint was trained with: `explicit`, else one next to the
+    checkpoint or run, else the prepared data dir of its config (data.tokenizer, data.dir);
+    its sha256 must be the one the checkpoint records."""
+    want = ckpt.state.tokenizer_sha256
+    data = ckpt.state.config.get("data") or {}
+    if explicit is not None:
+        candidates = [Path(explicit)]
+    else:
+        candidates = [ckpt.tag_dir / TOKENIZER_FILE]
+        if ckpt.run_dir is not None:
+            candidates.append(ckpt.run_dir / TOKENIZER_FILE)
+        if data.get("dir"):
+            candidates.append(Path(data["dir"]) / TOKENIZER_FILE)
+            if ckpt.run_dir is not None and not Path(data["dir"]).is_absolute():
+                candidates.append(ckpt.run_dir.parent.parent / data["dir"] / TOKENIZER_FILE)
+        if data.get("tokenizer"):
+            candidates.append(Path(data["tokenizer"]))
+    seen = []
+    for cand in candidates:
+        if not cand.is_file():
+            if explicit is not None:
+                raise CheckpointError(f"tokenizer={cand} does not exist")
+            continue
+        sha = sha256_file(cand)
+        if sha == want:
+            return cand
+        seen.append(f"{cand} (sha256 {sha[:12]})")
+    if seen:
+        raise CheckpointError(
+            f"the tokenizer does not match the model: the checkpoint was trained with sha256 "
+            f"{want[:12]}, found {', '.join(seen)}; pass tokenizer=<the data dir's tokenizer.model>"
+        )
+    raise CheckpointError(
+        f"cannot find the tokenizer of checkpoint {ckpt.tag_dir} (looked in the checkpoint, the run and "
+        f"data.dir={data.get('dir')!r}); pass tokenizer=<path to tokenizer.model>"
+    )
+
+
+def provenance(ckpt: Checkpoint) -> dict[str, Any]:
+    """Where a checkpoint's weights came from, for an export's model card: steps, tokens, the
+    final training and validation losses (from the run's metrics up to its step)."""
+    state = ckpt.state
+    info: dict[str, Any] = {
+        "step": state.step,
+        "tokens_seen": state.tokens_seen,
+        "train_loss": state.last_loss,
+        "val_loss": None,
+        "val_step": None,
+        "zero_stage": state.zero_stage,
+        "world_size": state.world_size,
+        "precision": state.precision,
+        "tokenizer_sha256": state.tokenizer_sha256,
+        "source": str(ckpt.tag_dir),
+        "run": ckpt.run_dir.name if ckpt.run_dir is not None else None,
+    }
+    if ckpt.run_dir is not None:
+        evals = [
+            r
+            for r in read_metrics(ckpt.run_dir, "eval")
+            if isinstance(r.get("loss"), (int, float)) and r.get("step", state.step + 1) <= state.step
+        ]
+        if evals:
+            info["val_loss"], info["val_step"] = evals[-1]["loss"], evals[-1]["step"]
+    return info

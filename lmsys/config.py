@@ -12,13 +12,17 @@ activation names, ...) live in `validate`, which raises `ConfigError` with one l
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
+
+from lmsys.errors import ConfigError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -28,10 +32,6 @@ NORM_FORMULAS = ("sqrt_var_eps", "std_plus_eps", "exact", "none")
 BLOCK_KINDS = ("none", "pre", "post", "parallel")
 SOFTMAX_KINDS = ("row", "matrix")
 KERNEL_CHOICES = ("auto", "triton", "torch")
-
-
-class ConfigError(ValueError):
-    """A configuration mistake; its message is one line naming the key and what is valid."""
 
 
 # ----------------------------------------------------------------------------- model
@@ -173,7 +173,7 @@ class TrainerConfig:
     eval_batches: int = 20
     save_interval: int = 500
     keep_last: int = 3
-    resume: str = "auto"  # auto | never | <checkpoint dir>
+    resume: str = "auto"  # auto | never | <checkpoint dir or run dir: its newest intact checkpoint>
     max_nan_skips: int = 5
     device: str = "auto"  # auto | cpu | cuda
     progress: bool = True
@@ -222,15 +222,6 @@ def model_dims(cfg: ModelConfig) -> ModelDims:
     d_ff = cfg.ffn.d_ff if cfg.ffn.d_ff is not None else 4 * cfg.d_model
     scale = cfg.attention.scale if cfg.attention.scale is not None else 1.0 / math.sqrt(d_qk)
     return ModelDims(d_qk=d_qk, d_vo=d_vo, d_ff=d_ff, attention_scale=scale)
-
-
-def tokens_per_sample(model: ModelConfig, seq_len: int) -> int:
-    """Tokens the loader cuts per training sequence so the forward spans `seq_len` positions.
-
-    The usual shift predicts tokens[1:] from tokens[:-1] (seq_len + 1 tokens); seed 001's
-    bos_shift predicts every token from [bos] + tokens[:-1] (seq_len tokens).
-    """
-    return seq_len if model.bos_shift else seq_len + 1
 
 
 # ----------------------------------------------------------------------------- validation
@@ -365,7 +356,7 @@ def to_config(cfg: DictConfig | Config) -> Config:
     return validate(obj)
 
 
-def _one_line(exc: BaseException) -> str:
+def hydra_error_line(exc: BaseException) -> str:
     """Hydra and OmegaConf errors carry several lines and a chain of causes; keep one line that
     names the key (the first message with a `full_key:`), plus the valid options when listed."""
     chain: list[str] = []
@@ -395,10 +386,6 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
     The public entry point used by every CLI and by outside checks. Raises ConfigError with one
     line naming the key for a misspelled key, a wrong type, or an invalid value.
     """
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
     overrides = list(overrides or [])
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
@@ -409,12 +396,24 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
     except ConfigError:
         raise
     except Exception as exc:  # Hydra/OmegaConf raise many types; the user needs one line
-        raise ConfigError(_one_line(exc)) from exc
+        bare = [o for o in overrides if "=" not in o and not o.startswith("~")]
+        hint = " (overrides are key=value, e.g. model=seed_trax or data.dir=data/mine)" if bare else ""
+        raise ConfigError(hydra_error_line(exc) + hint) from exc
 
 
 def compose_model(preset: str, overrides: list[str] | None = None) -> ModelConfig:
     """The ModelConfig of a conf/model preset with model-relative overrides, e.g. ["d_model=32"]."""
     return compose([f"model={preset}", *[f"model.{o}" for o in (overrides or [])]]).model
+
+
+def flatten_dict(data: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config as dotted keys: {"model": {"d_model": 8}} -> {"model.d_model": 8}."""
+    if not isinstance(data, dict):
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(flatten_dict(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
@@ -429,11 +428,7 @@ def model_config_from_dict(data: dict[str, Any]) -> ModelConfig:
         merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), data)
         obj = OmegaConf.to_object(merged)
     except Exception as exc:
-        raise ConfigError(_one_line(exc)) from exc
+        raise ConfigError(hydra_error_line(exc)) from exc
     assert isinstance(obj, ModelConfig)
     validate_model(obj)
     return obj
-
-
-def env_rank() -> int:
-    return int(os.environ.get("RANK", "0"))

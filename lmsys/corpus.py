@@ -35,17 +35,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lmsys.errors import DataError
+
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl",)
 SUPPORTED = "|".join(s.lstrip(".") for s in TEXT_SUFFIXES + JSONL_SUFFIXES)
 SUPPORTED_HINT = ".txt, .md, .jsonl (each optionally .gz)"
 DEFAULT_CORPUS_DESCRIPTION = "default corpus: python stdlib docstrings"
 PIECE_BYTES = 4 << 20  # text files longer than this are read and encoded in pieces of about this size
-
-
-class DataError(ValueError):
-    """A data mistake (bad source, undecodable bytes, missing or corrupt shards, mismatched
-    tokenizer); its message is one line naming the path or value and what would be valid."""
 
 
 # ----------------------------------------------------------------------------- statistics

@@ -1,6 +1,6 @@
 """The training loader: fixed-length sequences cut from prepared token shards.
 
-Order. A split (the concatenation of its shards, see lmsys.prepare) of n tokens is cut into
+Order. A split (the concatenation of its shards, see lmsys.shards) of n tokens is cut into
 N = ceil(n / L) samples of L = `tokens_per_sample` tokens: sample i starts at token i*L, except
 that when L does not divide n the last one ends at the split's end (starts at n - L), so its
 first L - (n mod L) tokens repeat the end of the sample before; they carry loss weight 0
@@ -31,17 +31,15 @@ previous document's eos.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from lmsys.config import ModelConfig
-from lmsys.corpus import DataError
-from lmsys.prepare import read_manifest
+from lmsys.errors import DataError
+from lmsys.shards import PreparedData, SplitTokens, too_short
 
-__all__ = ["Batch", "DataError", "PreparedData", "TokenLoader"]
+__all__ = ["Batch", "TokenLoader"]
 
 STATE_VERSION = 2  # 2: the split's tail is a last, partly weighted sample
 
@@ -50,82 +48,6 @@ STATE_VERSION = 2  # 2: the split's tail is a last, partly weighted sample
 class Batch:
     tokens: torch.Tensor  # (B, S) int64 token ids
     weights: torch.Tensor  # (B, S) float32: weights[b, s] weighs the prediction of tokens[b, s]
-
-
-class SplitTokens:
-    """One split's shards as a single read-only token array (memory-mapped, never loaded)."""
-
-    def __init__(self, directory: Path, shards: list[dict[str, Any]], dtype: np.dtype):
-        self.shards = [
-            np.memmap(directory / s["file"], dtype=dtype, mode="r", shape=(int(s["tokens"]),))
-            for s in shards
-            if int(s["tokens"]) > 0
-        ]
-        self.starts = np.cumsum([0] + [len(s) for s in self.shards])  # (n_shards + 1,)
-
-    def __len__(self) -> int:
-        return int(self.starts[-1])
-
-    def read(self, start: int, length: int) -> np.ndarray:
-        """Tokens [start, start + length), across shard boundaries when needed."""
-        parts = []
-        end = start + length
-        i = int(np.searchsorted(self.starts, start, side="right")) - 1
-        while start < end:
-            shard = self.shards[i]
-            lo = start - int(self.starts[i])
-            take = min(end - start, len(shard) - lo)
-            parts.append(shard[lo : lo + take])
-            start += take
-            i += 1
-        return np.concatenate(parts) if len(parts) > 1 else np.asarray(parts[0])
-
-
-class PreparedData:
-    """A directory written by lmsys-prepare, checked against its manifest on opening."""
-
-    def __init__(self, directory: str | Path):
-        self.dir = Path(directory)
-        self.manifest = read_manifest(self.dir)
-        tok = self.manifest["tokenizer"]
-        self.vocab_size = int(tok["vocab_size"])
-        self.eos_id = int(tok["eos_id"])
-        self.tokenizer_path = self.dir / tok["file"]
-        self.tokenizer_sha256 = str(tok["sha256"])
-        self.dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
-        self._splits: dict[str, SplitTokens] = {}
-
-    def split(self, name: str) -> SplitTokens:
-        if name not in self.manifest["splits"]:
-            raise DataError(f"{self.dir} has no split {name!r} (it has {sorted(self.manifest['splits'])})")
-        if name not in self._splits:
-            shards = [s for s in self.manifest["shards"] if s["split"] == name]
-            self._splits[name] = SplitTokens(self.dir, shards, self.dtype)
-        return self._splits[name]
-
-    def check_sequences(self, tokens_per_sample: int) -> None:
-        """Refuse data whose train or val split cannot fill one sequence (before a run starts)."""
-        for split in ("train", "val"):
-            n_tokens = len(self.split(split))
-            if n_tokens < tokens_per_sample:
-                raise too_short(self.dir, split, n_tokens, tokens_per_sample)
-
-    def check_model(self, model: ModelConfig) -> None:
-        """Refuse a model whose vocabulary differs from the tokenizer the shards were made with."""
-        if model.vocab_size != self.vocab_size:
-            raise DataError(
-                f"model.vocab_size={model.vocab_size} but {self.dir} was tokenized with a "
-                f"{self.vocab_size}-piece tokenizer; set model.vocab_size={self.vocab_size} or "
-                f"re-run lmsys-prepare data.dir={self.dir} model.vocab_size={model.vocab_size}"
-            )
-
-
-def too_short(data_dir: Path, split: str, n_tokens: int, tokens_per_sample: int) -> DataError:
-    return DataError(
-        f"the {split} split of {data_dir} holds {n_tokens} tokens, fewer than one sequence of "
-        f"{tokens_per_sample}; use more text (or raise data.val_fraction) and prepare again, "
-        "or shorten data.seq_len"
-    )
 
 
 class TokenLoader:

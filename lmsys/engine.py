@@ -1,135 +1,60 @@
-"""The DeepSpeed engine: the only module of lmsys that knows about ZeRO.
+"""DeepSpeed: the only module of lmsys that knows about ZeRO.
 
-Parallelism is applied to the single-device `Transformer` from outside, in this fixed order:
+Parallelism is applied to the single-device `Transformer` from outside, in this fixed order
+(the batch arithmetic before it is lmsys.runtime.batch_plan):
 
-1. `batch_plan`: the batch arithmetic. `trainer.global_batch_tokens / data.seq_len` sequences per
-   optimizer step, split into `micro_batch_size` sequences per rank per forward, so gradient
-   accumulation = global sequences / (micro_batch_size * world_size), derived, never configured.
-2. `apply_activation_checkpointing`: each block's forward is wrapped in
+1. `apply_activation_checkpointing`: each block's forward is wrapped in
    `torch.utils.checkpoint` (recomputed in the backward) when deepspeed.activation_checkpointing.
-3. `LossModule`: the engine's forward is the model's loss, so DeepSpeed sees one module whose
+2. `LossModule`: the engine's forward is the model's loss, so DeepSpeed sees one module whose
    output is the scalar to differentiate.
-4. `build_optimizer`: AdamW, weight decay only on matrices (>= 2-D weights, embeddings
+3. `build_optimizer`: AdamW, weight decay only on matrices (>= 2-D weights, embeddings
    included); torch's AdamW on CPU, DeepSpeed's fused Adam on CUDA (its CPU Adam when the
    optimizer state is offloaded).
-5. `deepspeed_config` + `deepspeed.initialize`: the DeepSpeed JSON generated from the config
+4. `deepspeed_config` + `deepspeed.initialize`: the DeepSpeed JSON generated from the config
    groups (ZeRO stage and offload, precision, micro-batch, accumulation, clipping).
 
-The learning rate follows `lr_at(step)` (linear warmup, cosine decay to lr * min_lr_ratio); the
-train loop writes it into the optimizer's param groups before each step, so the schedule is a
-pure function of the step and a resumed run follows it exactly without scheduler state.
+During training `optimizer_step` is the accumulation boundary: it applies the update or, for a
+non-finite loss, skips it, whatever the ZeRO stage. The learning rate follows `lr_at(step)`
+(linear warmup, cosine decay to lr * min_lr_ratio); the train loop writes it into the
+optimizer's param groups before each step, so the schedule is a pure function of the step and a
+resumed run follows it exactly without scheduler state.
+
+Afterwards `consolidated_state_dict` reads a DeepSpeed checkpoint of any stage and world size
+back into whole fp32 weights, never unpickling code.
+
+`deepspeed` is imported inside the functions that use it, deliberately: it imports triton (through
+torch._dynamo), which must wait until lmsys.ops.prepare_kernels has chosen how Triton runs, and it
+costs seconds that the export tools and the CPU paths do not need to pay.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import io
 import logging
 import math
 import os
+import pickle
+import re
 import socket
+import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
-from lmsys.config import Config, ConfigError, OptimConfig, tokens_per_sample
+from lmsys.config import Config, OptimConfig
+from lmsys.errors import CheckpointError
+from lmsys.runtime import BatchPlan
 
-# ----------------------------------------------------------------------------- batch arithmetic
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """How one optimizer step's sequences are cut into micro-batches across ranks."""
-
-    seq_len: int  # positions per forward
-    tokens_per_sample: int  # tokens the loader cuts per sequence (seq_len + 1 with the usual shift)
-    micro_batch_size: int  # sequences per rank per forward
-    world_size: int
-    grad_accum: int  # micro-batches per rank per optimizer step
-    global_batch_sequences: int  # = micro_batch_size * world_size * grad_accum
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.global_batch_sequences * self.seq_len
-
-    def arithmetic(self) -> str:
-        return (
-            f"{self.tokens_per_step:,} tokens per step = micro {self.micro_batch_size} x seq {self.seq_len} "
-            f"x world {self.world_size} x accumulation {self.grad_accum}"
-        )
-
-
-def batch_plan(cfg: Config, world_size: int) -> BatchPlan:
-    """Derive gradient accumulation from trainer.global_batch_tokens; ConfigError if it does not divide."""
-    t, seq = cfg.trainer, cfg.data.seq_len
-    if t.global_batch_tokens % seq:
-        lower, upper = (t.global_batch_tokens // seq) * seq, (t.global_batch_tokens // seq + 1) * seq
-        raise ConfigError(
-            f"trainer.global_batch_tokens={t.global_batch_tokens} is not a multiple of data.seq_len={seq}; "
-            f"use e.g. {lower or upper} or {upper}"
-        )
-    sequences = t.global_batch_tokens // seq
-    per_micro_step = t.micro_batch_size * world_size
-    if sequences % per_micro_step:
-        k = max(1, round(sequences / per_micro_step))
-        raise ConfigError(
-            f"trainer.global_batch_tokens={t.global_batch_tokens} gives {sequences} sequences per step "
-            f"({t.global_batch_tokens} / data.seq_len={seq}), which does not divide by "
-            f"trainer.micro_batch_size={t.micro_batch_size} x world_size={world_size} = {per_micro_step}; "
-            f"use a multiple of {per_micro_step * seq} tokens, "
-            f"e.g. trainer.global_batch_tokens={k * per_micro_step * seq}"
-        )
-    return BatchPlan(
-        seq_len=seq,
-        tokens_per_sample=tokens_per_sample(cfg.model, seq),
-        micro_batch_size=t.micro_batch_size,
-        world_size=world_size,
-        grad_accum=sequences // per_micro_step,
-        global_batch_sequences=sequences,
-    )
-
-
-# ----------------------------------------------------------------------------- device, precision
-
-
-def resolve_device(choice: str, local_rank: int = 0) -> torch.device:
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                "trainer.device=cuda but no CUDA device is available; use trainer.device=auto or cpu"
-            )
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
-def resolve_precision(choice: str, device: torch.device) -> str:
-    """auto: bf16 on CUDA, fp32 on CPU."""
-    if choice == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
-    if choice == "fp16" and device.type != "cuda":
-        raise ConfigError("deepspeed.precision=fp16 needs a CUDA device; use fp32 or bf16 on CPU")
-    return choice
-
-
-# ----------------------------------------------------------------------------- distributed
-
-
-@dataclass(frozen=True)
-class DistInfo:
-    rank: int
-    local_rank: int
-    world_size: int
-
-
-def env_dist_info() -> DistInfo:
-    """Rank and world size as torchrun sets them (a plain `python -m lmsys.train` is rank 0 of 1)."""
-    return DistInfo(
-        rank=int(os.environ.get("RANK", "0")),
-        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-        world_size=int(os.environ.get("WORLD_SIZE", "1")),
-    )
+# ----------------------------------------------------------------------------- the process group
 
 
 def free_port() -> int:
@@ -143,7 +68,7 @@ def quiet_deepspeed() -> None:
     for name in ("DeepSpeed", "deepspeed"):
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
-        from deepspeed.utils import logger as ds_logger
+        from deepspeed.utils import logger as ds_logger  # deepspeed late: see the module docstring
 
         ds_logger.setLevel(logging.WARNING)
     except Exception:  # pragma: no cover - older layouts
@@ -153,16 +78,12 @@ def quiet_deepspeed() -> None:
 def init_distributed(device: torch.device, timeout_s: float) -> None:
     """Join (or create, for a plain one-process run) the process group, with a collective timeout
     so that a rank that dies or hangs brings the job down instead of blocking the others forever."""
-    import warnings
-
-    import torch.distributed as dist
-
     if device.type == "cpu":  # tell DeepSpeed rather than let it warn that it found no GPU
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     # DeepSpeed calls torch.distributed's older collective names; their deprecation notices
     # would print on every rank at every step.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-    import deepspeed
+    import deepspeed  # late: see the module docstring
 
     if dist.is_initialized():  # a Hydra multirun calls the task several times in one process
         return
@@ -197,6 +118,15 @@ def init_distributed(device: torch.device, timeout_s: float) -> None:
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False, timeout=timeout)
 
 
+def close_distributed() -> None:
+    """Leave the process group at the end of a process's training (done or failed): its
+    communication threads stop here, not in the interpreter's shutdown, where tearing them down
+    can abort the process ("terminate called without an active exception") after the error
+    line was already printed."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 # ----------------------------------------------------------------------------- model wrapping
 
 
@@ -218,8 +148,6 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
     """Recompute every block's activations in the backward instead of storing them: each block's
     forward runs under torch.utils.checkpoint (non-reentrant, which also re-runs ZeRO-3's
     parameter-gathering hooks). Applied from outside: the state-dict keys do not change."""
-    from torch.utils.checkpoint import checkpoint
-
     blocks = getattr(model, "blocks", None)
     if blocks is None:
         raise TypeError("activation checkpointing needs a model with a `blocks` ModuleList")
@@ -289,11 +217,14 @@ def build_optimizer(
 
 
 def deepspeed_config(
-    cfg: Config, plan: BatchPlan, device: torch.device, optimizer_section: dict[str, Any] | None = None
+    cfg: Config,
+    plan: BatchPlan,
+    device: torch.device,
+    precision: str,
+    optimizer_section: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The DeepSpeed JSON, generated from the deepspeed/optim/trainer groups."""
     ds = cfg.deepspeed
-    precision = resolve_precision(ds.precision, device)
     cuda = device.type == "cuda"
     zero: dict[str, Any] = {
         "stage": ds.stage,
@@ -353,22 +284,22 @@ class EngineInfo:
 
 
 def initialize(
-    model: nn.Module, cfg: Config, plan: BatchPlan, device: torch.device
+    model: nn.Module, cfg: Config, plan: BatchPlan, device: torch.device, precision: str
 ) -> tuple[Any, EngineInfo, dict[str, Any]]:
     """Wrap the model into a DeepSpeed engine. Returns (engine, info, the DeepSpeed JSON).
 
     `model` is the plain Transformer, built identically (same seed) on every rank; DeepSpeed
-    broadcasts rank 0's weights and, at ZeRO-3, partitions them.
+    broadcasts rank 0's weights and, at ZeRO-3, partitions them. `precision` is resolved
+    (lmsys.runtime.resolve_precision).
     """
-    import deepspeed
+    import deepspeed  # late: see the module docstring
 
     quiet_deepspeed()
-    precision = resolve_precision(cfg.deepspeed.precision, device)
     if cfg.deepspeed.activation_checkpointing:
         apply_activation_checkpointing(model)
     module = LossModule(model)
     client_opt, opt_section, groups, opt_kind = build_optimizer(model, cfg, device)
-    ds_config = deepspeed_config(cfg, plan, device, opt_section)
+    ds_config = deepspeed_config(cfg, plan, device, precision, opt_section)
     engine, _, _, _ = deepspeed.initialize(
         model=module,
         optimizer=client_opt,
@@ -423,6 +354,31 @@ def replicated_grad_norm(module: nn.Module) -> float:
     return float(torch.nn.utils.get_total_norm(grads, norm_type=2.0).item())
 
 
+@dataclass(frozen=True)
+class StepOutcome:
+    applied: bool  # the weights were updated
+    grad_norm: float | None  # global gradient norm before clipping; None when not applied
+
+
+def optimizer_step(engine: Any, loss_is_finite: bool) -> StepOutcome:
+    """The accumulation boundary's `engine.step()`: apply the update, or skip it when the step's
+    loss is not finite. ZeRO >= 1 discards a step with non-finite gradients by itself and reports
+    the norm it clipped with; stage 0 has to be told to skip, and its norm is taken here
+    (DeepSpeed's stage-0 clipping discards its own)."""
+    if engine.zero_optimization_stage() == 0:
+        if not loss_is_finite:
+            with skipped_update(engine):
+                engine.step()
+            return StepOutcome(applied=False, grad_norm=None)
+        norm = replicated_grad_norm(engine.module)
+        engine.step()
+    else:
+        engine.step()
+        norm = grad_norm(engine)
+    applied = engine.was_step_applied() and loss_is_finite
+    return StepOutcome(applied=applied, grad_norm=norm if applied else None)
+
+
 def set_lr(engine: Any, lr: float) -> None:
     for group in engine.optimizer.param_groups:
         group["lr"] = lr
@@ -471,3 +427,112 @@ def shard_stats(engine: Any) -> dict[str, int]:
         "param_bytes": param_bytes,
         "full_param_bytes": full_param_bytes,
     }
+
+
+# ----------------------------------------------------------------------------- reading checkpoints back
+
+# DeepSpeed pickles a few of its own plain data classes into optimizer-state files. They are
+# allowlisted for `torch.load(weights_only=True)`, which only rebuilds these types and tensors;
+# anything else in a pickle is refused.
+_DEEPSPEED_SAFE_GLOBALS = (
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+)
+
+
+def _safe_globals() -> list[Any]:
+    found = []
+    for module, name in _DEEPSPEED_SAFE_GLOBALS:
+        with contextlib.suppress(Exception):
+            found.append(getattr(importlib.import_module(module), name))
+    return found
+
+
+def safe_torch_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool | None = None) -> Any:
+    """torch.load with weights_only=True (never unpickles code) and DeepSpeed's data classes."""
+    with torch.serialization.safe_globals(_safe_globals()):
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+
+
+class _WeightsOnlyTorch:
+    """Stands in for the `torch` module inside deepspeed.utils.zero_to_fp32 while it runs, so its
+    `torch.load(..., weights_only=False)` calls become weights-only loads."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def load(
+        f: Any, map_location: Any = None, weights_only: bool | None = None, mmap: bool | None = None, **_: Any
+    ):
+        return safe_torch_load(f, map_location=map_location, mmap=mmap)
+
+
+@contextlib.contextmanager
+def _quiet_and_safe(zero_to_fp32: Any) -> Iterator[io.StringIO]:
+    """zero_to_fp32 prints progress to stdout and tqdm bars to stderr: capture both, and make
+    its torch.load weights-only for the duration."""
+    captured = io.StringIO()
+    original = zero_to_fp32.torch
+    ds_logger = logging.getLogger("DeepSpeed")
+    level = ds_logger.level
+    zero_to_fp32.torch = _WeightsOnlyTorch()
+    ds_logger.setLevel(logging.ERROR)
+    try:
+        with (
+            contextlib.redirect_stdout(captured),
+            contextlib.redirect_stderr(captured),
+            warnings.catch_warnings(),
+        ):
+            warnings.simplefilter("ignore")
+            yield captured
+    finally:
+        zero_to_fp32.torch = original
+        ds_logger.setLevel(level)
+
+
+def consolidated_state_dict(tag_dir: Path, zero_stage: int) -> dict[str, torch.Tensor]:
+    """The full-precision weights of a DeepSpeed checkpoint tag saved at `zero_stage`, as
+    DeepSpeed consolidates them, keyed like the engine's module (prefixed with `model.`).
+
+    ZeRO 1-3: `get_fp32_state_dict_from_zero_checkpoint` (the fp32 master weights, merged from
+    every rank's partition). Stage 0 has no partitions: the module state in
+    mp_rank_00_model_states.pt is the whole model. (A bf16 run writes `bf16_zero_pp_rank_*`
+    optimizer files at every stage, so the stage comes from the checkpoint's record, not its
+    file names.)"""
+    if not torch.cuda.is_available():  # without a GPU DeepSpeed would warn that it fell back to CPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        if zero_stage >= 1:
+            from deepspeed.utils import zero_to_fp32  # late: see the module docstring
+
+            with _quiet_and_safe(zero_to_fp32):
+                state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(
+                    str(tag_dir.parent), tag=tag_dir.name
+                )
+        else:
+            model_file = tag_dir / "mp_rank_00_model_states.pt"
+            if not model_file.is_file():
+                raise CheckpointError(
+                    f"checkpoint {tag_dir} has neither ZeRO partitions nor {model_file.name}"
+                )
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                state = safe_torch_load(model_file)["module"]
+    except CheckpointError:
+        raise
+    except Exception as exc:  # truncated zip, refused pickle global, DeepSpeed's own checks
+        raise CheckpointError(f"cannot read checkpoint {tag_dir}: {_load_failure(exc)}") from exc
+    return dict(state)
+
+
+def _load_failure(exc: BaseException) -> str:
+    """One line for a failed checkpoint read; a refused pickle names the object it wanted."""
+    text = str(exc)
+    if isinstance(exc, pickle.UnpicklingError) or "Weights only load failed" in text:
+        match = re.search(r"GLOBAL (\S+)", text)
+        what = match.group(1) if match else "an object that is not plain data"
+        return f"it pickles {what}, which lmsys refuses to load (only tensors and plain data are unpickled)"
+    return next((ln.strip() for ln in text.splitlines() if ln.strip()), type(exc).__name__)

@@ -39,19 +39,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lmsys.export import (
-    ExportError,
-    Option,
-    UsageError,
-    list_run_checkpoints,
-    load_model,
-    parse_options,
-    resolve_checkpoint,
-    resolve_device,
-    resolve_dtype,
-    run_cli,
-)
+from lmsys.checkpoint import list_checkpoints, resolve
+from lmsys.cli import Option, parse_options, run_cli, warn
+from lmsys.errors import LmsysError, UsageError
+from lmsys.export import TOKENIZER_OPTION, load_model
+from lmsys.model import next_token_pairs, tokens_per_sample
 from lmsys.ops import prepare_kernels
+from lmsys.plots import plot_run
+from lmsys.rundir import CHECKPOINTS, EVAL_PLOT_FILE
+from lmsys.runtime import DEVICE_OPTION, DTYPE_OPTION, resolve_device, resolve_dtype
+from lmsys.shards import PreparedData
 
 PROG = "lmsys-eval"
 LN2 = math.log(2.0)
@@ -119,27 +116,26 @@ def token_nll(
     n = stream.numel()
     if n == 0:
         return torch.zeros(0, dtype=torch.float64)
-    # previous[i] is the token before stream[i]: the context of a window's first token.
-    previous = torch.cat([torch.tensor([first_context]), stream[:-1]])
-    if cfg.bos_shift:
-        previous[::seq_len] = cfg.bos_shift_id
+    # A window's targets are stream[s : s + L]; the model's objective (next_token_pairs) reads them
+    # from a sample that starts `lead` tokens earlier: 1 with the usual shift (the token before
+    # the window, first_context for the stream's first token), 0 under bos_shift.
+    lead = tokens_per_sample(cfg, seq_len) - seq_len
+    padded = torch.cat([torch.tensor([first_context]), stream])  # (n + 1,): padded[i + 1] = stream[i]
     out = torch.empty(n, dtype=torch.float64)
     n_full = n // seq_len
     starts = list(range(0, n_full * seq_len, seq_len))
     for b in range(0, len(starts), batch_size):
         group = starts[b : b + batch_size]
-        targets = torch.stack([stream[s : s + seq_len] for s in group])  # (B, S)
-        inputs = torch.stack([torch.cat([previous[s : s + 1], stream[s : s + seq_len - 1]]) for s in group])
-        out[group[0] : group[-1] + seq_len] = _window_nll(model, inputs, targets, device).flatten()
+        samples = torch.stack([padded[s + 1 - lead : s + 1 + seq_len] for s in group])  # (B, lead + L)
+        out[group[0] : group[-1] + seq_len] = _window_nll(model, samples, device).flatten()
     if n_full * seq_len < n:  # the last, shorter window
         s = n_full * seq_len
-        targets = stream[s:][None]
-        inputs = torch.cat([previous[s : s + 1], stream[s : n - 1]])[None]
-        out[s:] = _window_nll(model, inputs, targets, device).flatten()
+        out[s:] = _window_nll(model, padded[s + 1 - lead :][None], device).flatten()
     return out
 
 
-def _window_nll(model, inputs: torch.Tensor, targets: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _window_nll(model, samples: torch.Tensor, device: torch.device) -> torch.Tensor:
+    inputs, targets, _ = next_token_pairs(model.cfg, samples)  # (B, S) each
     logits = model(inputs.to(device)).float()  # (B, S, V)
     nll = F.cross_entropy(logits.flatten(0, 1), targets.to(device).flatten(), reduction="none")
     return nll.view_as(targets).double().cpu()
@@ -197,8 +193,6 @@ def split_tokens(data_dir: str | Path, tokenizer, split: str = "val") -> np.ndar
     """The tokens of a prepared data split (lmsys.data.PreparedData, checked against its
     manifest), in shard order: documents each followed by eos. The data's tokenizer must be the
     model's."""
-    from lmsys.data import PreparedData
-
     if not Path(data_dir).is_dir():
         raise EvalError(f"data={data_dir} does not exist (expected a directory written by lmsys-prepare)")
     data = PreparedData(data_dir)
@@ -252,30 +246,6 @@ def evaluate_source(model, tokenizer, source: Source, opts: dict) -> EvalResult:
     return evaluate_tokens(model, tokenizer, tokens, opts["seq_len"], opts["batch_size"])
 
 
-def plot_run(rows: list[dict], out: Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [r["step"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4), dpi=110)
-    ax1.plot(steps, [r["loss"] for r in rows], "o-")
-    ax1.set_xlabel("optimizer step")
-    ax1.set_ylabel("loss (nats/token)")
-    ax2.plot(steps, [r["perplexity"] for r in rows], "o-", color="tab:orange")
-    ax2.set_xlabel("optimizer step")
-    ax2.set_ylabel("perplexity")
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
-
-
 # ----------------------------------------------------------------------------- CLI
 
 OPTIONS = [
@@ -289,9 +259,9 @@ OPTIONS = [
     Option("max_tokens", "int", None, "evaluate only the first N tokens"),
     Option("plot", "str", None, "PNG for run= (default: <run>/eval.png)"),
     Option("json", "str", None, "also write the results as JSON to this file"),
-    Option("device", "str", "auto", "auto, cpu, cuda or cuda:N"),
-    Option("dtype", "choice", "fp32", "compute dtype", ("fp32", "bf16", "fp16")),
-    Option("tokenizer", "str", None, "tokenizer.model for a checkpoint (default: found from its data.dir)"),
+    DEVICE_OPTION,
+    DTYPE_OPTION,
+    TOKENIZER_OPTION,
 ]
 
 SUMMARY = (
@@ -309,6 +279,58 @@ def _summary_line(result: EvalResult) -> str:
     )
 
 
+def _evaluate_model(opts: dict, device: torch.device, dtype: torch.dtype) -> None:
+    path = Path(opts["model"])
+    model, tok, meta = load_model(path, device, dtype, opts["tokenizer"], warn=lambda m: warn(PROG, m))
+    prepare_kernels(model.cfg.kernels, device, next(model.parameters()).dtype)
+    source = pick_source(opts, meta.get("train_config"))
+    result = evaluate_source(model, tok, source, opts)
+    print(f"{PROG}: {path} on {source.label}")
+    print(f"{PROG}: {_summary_line(result)}")
+    if opts["json"]:
+        report = {"model": str(path), "source": source.label, **result.as_dict()}
+        Path(opts["json"]).write_text(json.dumps(report, indent=1) + "\n")
+
+
+def _evaluate_run(opts: dict, device: torch.device, dtype: torch.dtype) -> None:
+    """Every checkpoint of a run, oldest first: a table, a plot, optionally JSON. A damaged
+    checkpoint is skipped with a warning."""
+    run = Path(opts["run"])
+    if not run.is_dir():
+        raise EvalError(f"run directory {run} does not exist")
+    tags = [path for _, path in reversed(list_checkpoints(run / CHECKPOINTS))]
+    if not tags:
+        raise EvalError(f"{run} holds no checkpoints (no {CHECKPOINTS}/step_* directories)")
+    newest = resolve(run, check_hashes=False)
+    source = pick_source(opts, newest.state.config)
+    rows = []
+    print(f"{PROG}: {run}: {len(tags)} checkpoint(s) on {source.label}")
+    print(f"{'step':>9} {'tokens':>10} {'loss':>9} {'ppl':>10} {'bits/byte':>10}  checkpoint")
+    for tag_dir in tags:
+        try:
+            model, tok, meta = load_model(tag_dir, device, dtype, opts["tokenizer"])
+        except LmsysError as exc:
+            warn(PROG, f"skipping {tag_dir.name}: {exc}")
+            continue
+        prepare_kernels(model.cfg.kernels, device, next(model.parameters()).dtype)
+        result = evaluate_source(model, tok, source, opts)
+        row = {"step": int(meta.get("step") or 0), "checkpoint": tag_dir.name, **result.as_dict()}
+        rows.append(row)
+        print(
+            f"{row['step']:>9,} {result.tokens:>10,} {result.loss:>9.4f} {result.perplexity:>10.3f} "
+            f"{result.bits_per_byte:>10.4f}  {tag_dir.name}",
+            flush=True,
+        )
+    if not rows:
+        raise EvalError(f"no checkpoint of {run} could be loaded")
+    plot = Path(opts["plot"]) if opts["plot"] else run / EVAL_PLOT_FILE
+    plot_run(rows, plot, f"{run.name}: {source.label}")
+    print(f"{PROG}: plot: {plot}")
+    if opts["json"]:
+        report = {"run": str(run), "source": source.label, "rows": rows}
+        Path(opts["json"]).write_text(json.dumps(report, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
 
@@ -324,54 +346,9 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"max_tokens={opts['max_tokens']} must be >= 1")
         device, dtype = resolve_device(opts["device"]), resolve_dtype(opts["dtype"])
         if opts["model"]:
-            path = Path(opts["model"])
-            model, tok, meta = load_model(path, device=device, dtype=dtype, tokenizer=opts["tokenizer"])
-            prepare_kernels(model.cfg.kernels, device, next(model.parameters()).dtype)
-            config = None
-            if meta.get("format") == "checkpoint":
-                config = resolve_checkpoint(path, verify_hashes=False).config
-            source = pick_source(opts, config)
-            result = evaluate_source(model, tok, source, opts)
-            print(f"{PROG}: {path} on {source.label}")
-            print(f"{PROG}: {_summary_line(result)}")
-            if opts["json"]:
-                Path(opts["json"]).write_text(
-                    json.dumps({"model": str(path), "source": source.label, **result.as_dict()}, indent=1)
-                    + "\n"
-                )
-            return 0
-        run = Path(opts["run"])
-        tags = list_run_checkpoints(run)
-        source = pick_source(opts, resolve_checkpoint(tags[-1], verify_hashes=False).config)
-        rows = []
-        print(f"{PROG}: {run}: {len(tags)} checkpoint(s) on {source.label}")
-        print(f"{'step':>9} {'tokens':>10} {'loss':>9} {'ppl':>10} {'bits/byte':>10}  checkpoint")
-        for tag_dir in tags:
-            try:
-                model, tok, meta = load_model(
-                    tag_dir, device=device, dtype=dtype, tokenizer=opts["tokenizer"]
-                )
-            except ExportError as exc:
-                print(f"{PROG}: warning: skipping {tag_dir.name}: {exc}", file=sys.stderr, flush=True)
-                continue
-            prepare_kernels(model.cfg.kernels, device, next(model.parameters()).dtype)
-            result = evaluate_source(model, tok, source, opts)
-            row = {"step": int(meta.get("step") or 0), "checkpoint": tag_dir.name, **result.as_dict()}
-            rows.append(row)
-            print(
-                f"{row['step']:>9,} {result.tokens:>10,} {result.loss:>9.4f} {result.perplexity:>10.3f} "
-                f"{result.bits_per_byte:>10.4f}  {tag_dir.name}",
-                flush=True,
-            )
-        if not rows:
-            raise EvalError(f"no checkpoint of {run} could be loaded")
-        plot = Path(opts["plot"]) if opts["plot"] else run / "eval.png"
-        plot_run(rows, plot, f"{run.name}: {source.label}")
-        print(f"{PROG}: plot: {plot}")
-        if opts["json"]:
-            Path(opts["json"]).write_text(
-                json.dumps({"run": str(run), "source": source.label, "rows": rows}, indent=1) + "\n"
-            )
+            _evaluate_model(opts, device, dtype)
+        else:
+            _evaluate_run(opts, device, dtype)
         return 0
 
     return run_cli(PROG, body)

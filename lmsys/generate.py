@@ -39,8 +39,13 @@ from pathlib import Path
 
 import torch
 
-from lmsys.export import Option, UsageError, load_model, parse_options, resolve_device, resolve_dtype, run_cli
+from lmsys.cli import Option, parse_options, run_cli
+from lmsys.cli import warn as cli_warn
+from lmsys.errors import UsageError
+from lmsys.export import TOKENIZER_OPTION, load_model
+from lmsys.model import KVCache, context_prefix
 from lmsys.ops import prepare_kernels
+from lmsys.runtime import DEVICE_OPTION, DTYPE_OPTION, resolve_device, resolve_dtype
 
 PROG = "lmsys-generate"
 LONG_PROMPT = ("error", "truncate")
@@ -158,7 +163,7 @@ def fit_prompt(
         raise GenerationError(f"max_new_tokens={max_new_tokens} must be >= 0")
     if len(ids) == 0:
         raise GenerationError(f"{label} is empty: give at least one character of text to continue")
-    lead = [cfg.bos_shift_id] if cfg.bos_shift else []
+    lead = context_prefix(cfg)
     window = _context_window(cfg)
     if window is None:
         return [*lead, *ids], max_new_tokens
@@ -201,8 +206,6 @@ def generate_one(
 
     Stops after eos (not included) or max_new_tokens. With use_cache, the prompt is run once to
     fill a preallocated KV cache and each new token is one position's forward."""
-    from lmsys.model import KVCache
-
     sampling.check()
     cfg = model.cfg
     if use_cache and not cache_supported(cfg):
@@ -327,9 +330,9 @@ OPTIONS = [
     Option("stream", "bool", True, "print tokens as they come (single prompt)"),
     Option("echo", "bool", True, "print the prompt before its continuation"),
     Option("output", "choice", "text", "text, or one JSON object per prompt", ("text", "jsonl")),
-    Option("device", "str", "auto", "auto, cpu, cuda or cuda:N"),
-    Option("dtype", "choice", "fp32", "compute dtype", ("fp32", "bf16", "fp16")),
-    Option("tokenizer", "str", None, "tokenizer.model for a checkpoint (default: found from its data.dir)"),
+    DEVICE_OPTION,
+    DTYPE_OPTION,
+    TOKENIZER_OPTION,
 ]
 
 SUMMARY = (
@@ -365,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def warn(message: str) -> None:
-        print(f"{PROG}: warning: {message}", file=sys.stderr, flush=True)
+        cli_warn(PROG, message)
 
     def body() -> int:
         opts = parse_options(PROG, argv, OPTIONS, SUMMARY, positional="model")
@@ -384,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise GenerationError(f"{label} is empty: give at least one character of text to continue")
         device = resolve_device(opts["device"])
         model, tok, _ = load_model(
-            opts["model"], device=device, dtype=resolve_dtype(opts["dtype"]), tokenizer=opts["tokenizer"]
+            opts["model"], device, resolve_dtype(opts["dtype"]), opts["tokenizer"], warn=warn
         )
         prepare_kernels(model.cfg.kernels, device, next(model.parameters()).dtype)
         use_cache = opts["cache"]

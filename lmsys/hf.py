@@ -32,7 +32,9 @@ from typing import Any
 
 import torch
 
-from lmsys.config import ConfigError, ModelConfig, model_config_from_dict, model_dims
+from lmsys.config import ModelConfig, model_config_from_dict, model_dims
+from lmsys.errors import ConfigError, ExportError
+from lmsys.weights import check_tensors
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 # transformers' names of the tanh approximation of GELU (the same function) and others lmsys has.
@@ -46,12 +48,6 @@ HF_ACTIVATIONS = {
     "tanh": "tanh",
     "sigmoid": "sigmoid",
 }
-
-
-def _error(message: str) -> Exception:
-    from lmsys.export import ExportError
-
-    return ExportError(message)
 
 
 # ----------------------------------------------------------------------------- GPT-2's function
@@ -102,7 +98,7 @@ def require_gpt2(cfg: ModelConfig) -> None:
     """Raise ExportError naming the first option that format=hf cannot express."""
     diff = gpt2_difference(cfg)
     if diff is not None:
-        raise _error(f"format=hf needs GPT-2's function; {diff}")
+        raise ExportError(f"format=hf needs GPT-2's function; {diff}")
 
 
 # ----------------------------------------------------------------------------- lmsys → HF
@@ -196,10 +192,10 @@ def model_config_from_hf(config: dict[str, Any], lmsys_config_json: str | None =
     """The lmsys ModelConfig of a GPT2Config dict. When the export recorded its lmsys config (our
     own format=hf exports), that is used after checking it agrees with config.json."""
     if config.get("scale_attn_by_inverse_layer_idx"):
-        raise _error("config.json: scale_attn_by_inverse_layer_idx=true has no lmsys equivalent")
+        raise ExportError("config.json: scale_attn_by_inverse_layer_idx=true has no lmsys equivalent")
     activation = config.get("activation_function", "gelu_new")
     if activation not in HF_ACTIVATIONS:
-        raise _error(f"config.json: activation_function={activation!r} has no lmsys equivalent")
+        raise ExportError(f"config.json: activation_function={activation!r} has no lmsys equivalent")
     try:
         n_embd, n_head = int(config["n_embd"]), int(config["n_head"])
         data: dict[str, Any] = {
@@ -234,25 +230,25 @@ def model_config_from_hf(config: dict[str, Any], lmsys_config_json: str | None =
             "init_std": float(config.get("initializer_range", 0.02)),
         }
     except (KeyError, TypeError, ValueError) as exc:
-        raise _error(f"config.json is not a GPT2Config ({type(exc).__name__}: {exc})") from exc
+        raise ExportError(f"config.json is not a GPT2Config ({type(exc).__name__}: {exc})") from exc
     try:
         derived = model_config_from_dict(data)
     except ConfigError as exc:
-        raise _error(f"config.json describes an invalid model: {exc}") from exc
+        raise ExportError(f"config.json describes an invalid model: {exc}") from exc
     if not lmsys_config_json:
         return derived
     try:
         recorded = model_config_from_dict(json.loads(lmsys_config_json))
     except (ValueError, ConfigError) as exc:
-        raise _error(f"the lmsys config recorded in model.safetensors is invalid: {exc}") from exc
+        raise ExportError(f"the lmsys config recorded in model.safetensors is invalid: {exc}") from exc
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "tied_embeddings"):
         if getattr(recorded, key) != getattr(derived, key):
-            raise _error(
+            raise ExportError(
                 f"config.json disagrees with the lmsys config recorded in model.safetensors: "
                 f"{key} is {getattr(derived, key)} vs {getattr(recorded, key)}"
             )
     if model_dims(recorded).d_ff != model_dims(derived).d_ff or recorded.norm.eps != derived.norm.eps:
-        raise _error(
+        raise ExportError(
             "config.json disagrees with the lmsys config recorded in model.safetensors: n_inner or eps"
         )
     return recorded
@@ -303,7 +299,7 @@ def normalize_hf_keys(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dic
     if cfg.tied_embeddings and "lm_head.weight" in out:
         lm_head = out.pop("lm_head.weight")
         if "wte.weight" in out and not torch.equal(lm_head, out["wte.weight"]):
-            raise _error("lm_head.weight differs from wte.weight although tie_word_embeddings=true")
+            raise ExportError("lm_head.weight differs from wte.weight although tie_word_embeddings=true")
     return out
 
 
@@ -311,8 +307,6 @@ def from_hf(
     cfg: ModelConfig, tensors: dict[str, torch.Tensor], label: str = "model.safetensors"
 ) -> dict[str, torch.Tensor]:
     """lmsys state dict (tied embedding once) from GPT-2 tensors, names and shapes checked."""
-    from lmsys.export import check_tensors
-
     hf = normalize_hf_keys(tensors, cfg)
     check_tensors(hf, expected_hf_shapes(cfg), where="", file_label=label)
     d = cfg.d_model

@@ -14,17 +14,16 @@ import math
 import os
 import resource
 import struct
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-METRICS_FILE = "metrics.jsonl"
-PLOT_FILE = "loss.png"
+from lmsys.files import atomic_write_text
+from lmsys.rundir import METRICS_FILE, WANDB_DIR, read_jsonl, read_metrics
 
-# Dense bf16 tensor-core peak FLOP/s by device-name fragment, most specific first (DESIGN.md:
+# Dense bf16 tensor-core peak FLOP/s by device-name fragment, most specific first (docs/DESIGN.md:
 # training MFU is measured against the device's dense bf16 peak).
 PEAK_BF16_FLOPS: list[tuple[str, float]] = [
     ("H200", 989e12),
@@ -119,20 +118,12 @@ class MetricsLogger:
             self._replay_to_wandb(logger_cfg.log_interval)
 
     def _truncate_after(self, step: int) -> None:
-        """A resumed run recomputes the steps after its checkpoint: drop their old records."""
+        """A resumed run recomputes the steps after its checkpoint: drop their old records (and a
+        line cut by a kill -9)."""
         if not self.path.exists():
             return
-        kept = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:  # a line cut by a kill -9
-                continue
-            if int(record.get("step", 0)) <= step:
-                kept.append(line)
-        tmp = self.path.with_name(f".tmp-{self.path.name}")
-        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        os.replace(tmp, self.path)
+        kept = [r for r in read_jsonl(self.path) if int(r.get("step", 0)) <= step]
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def _init_wandb(
         self, mode: str, lg: Any, config_dict: dict[str, Any], run_name: str, wandb_id: str | None
@@ -141,7 +132,7 @@ class MetricsLogger:
         os.environ.setdefault("WANDB_CONSOLE", "off")
         os.environ.setdefault("WANDB_DISABLE_CODE", "true")
         try:
-            import wandb
+            import wandb  # about a second to import: only runs that log to W&B pay it
         except ImportError:
             self.warn("wandb is not installed; logging to metrics.jsonl only")
             return None
@@ -237,52 +228,6 @@ class MetricsLogger:
             self.wandb_run = None
 
 
-# ----------------------------------------------------------------------------- reading back
-
-
-def read_metrics(run_dir: str | Path, kind: str | None = None) -> list[dict[str, Any]]:
-    path = Path(run_dir) / METRICS_FILE
-    records = []
-    if not path.exists():
-        return records
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if kind is None or record.get("kind") == kind:
-            records.append(record)
-    return records
-
-
-def plot_losses(run_dir: str | Path) -> Path | None:
-    """loss.png: training loss per step and validation loss, from metrics.jsonl (matplotlib Agg)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    train = [r for r in read_metrics(run_dir, "train") if r.get("loss") is not None]
-    evals = [r for r in read_metrics(run_dir, "eval") if r.get("loss") is not None]
-    if not train and not evals:
-        return None
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    if train:
-        ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", lw=1.2)
-    if evals:
-        ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="validation loss", lw=1.2)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title(Path(run_dir).name)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    out = Path(run_dir) / PLOT_FILE
-    fig.savefig(out)
-    plt.close(fig)
-    return out
-
-
 # ----------------------------------------------------------------------------- W&B run files
 
 # A .wandb file is W&B's transaction log: a 7-byte header (":W&B", magic 0xBEE1, version 0) then
@@ -295,7 +240,7 @@ _RECORD_HEADER = 7
 
 def wandb_records(path: str | Path) -> Iterator[Any]:
     """The protobuf Records of an offline run's .wandb file (parsed with W&B's own schema)."""
-    from wandb.proto import wandb_internal_pb2
+    from wandb.proto import wandb_internal_pb2  # readers only (tests, checks): not on the training path
 
     data = Path(path).read_bytes()
     if data[:4] != b":W&B":
@@ -336,7 +281,7 @@ def wandb_records(path: str | Path) -> Iterator[Any]:
 
 def wandb_files(run_dir: str | Path) -> list[Path]:
     """The offline W&B run files under run_dir/wandb, one per attempt, oldest first."""
-    return sorted(Path(run_dir, "wandb").glob("*run-*/run-*.wandb"))
+    return sorted(Path(run_dir, WANDB_DIR).glob("*run-*/run-*.wandb"))
 
 
 def wandb_history(run_dir: str | Path, attempt: int | None = None) -> list[dict[str, Any]]:
@@ -370,7 +315,3 @@ def wandb_config(run_dir: str | Path) -> dict[str, Any]:
                 key = item.key or "/".join(item.nested_key)
                 config[key] = json.loads(item.value_json)
     return config
-
-
-def print_err(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)

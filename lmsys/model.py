@@ -1,4 +1,4 @@
-"""The transformer family of SPEC.md: one configurable, single-device model.
+"""The transformer family of docs/SPEC.md: one configurable, single-device model.
 
 Read top to bottom: positions, attention, feed-forward, normalisation, blocks, the stack, the
 loss. Every option is a field of `ModelConfig`; the presets in conf/model/ pick the values that
@@ -364,19 +364,9 @@ class Transformer(nn.Module):
         return self.unembed(x)  # (B, T, V)
 
     def loss(self, tokens: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal LM loss (SPEC section 8) on tokens (B, S) with loss weights (B, S) in [0, 1].
-
-        weights[b, s] weighs the prediction OF tokens[b, s]. Usual shift: predict tokens[:, 1:]
-        from tokens[:, :-1] (weights[:, 0] unused). bos_shift (seed 001): predict every token from
-        [bos_shift_id] + tokens[:, :-1]. The mean is over the whole batch: -sum(w logp) / sum(w).
-        """
-        if self.cfg.bos_shift:
-            bos = torch.full_like(tokens[:, :1], self.cfg.bos_shift_id)
-            inputs, targets = torch.cat([bos, tokens[:, :-1]], dim=1), tokens
-            target_weights = weights
-        else:
-            inputs, targets = tokens[:, :-1], tokens[:, 1:]
-            target_weights = weights[:, 1:] if weights is not None else None
+        """Causal LM loss (SPEC section 8) on tokens (B, S) with loss weights (B, S) in [0, 1]:
+        the whole batch's weighted mean -sum(w logp) / sum(w) of the `next_token_pairs`."""
+        inputs, targets, target_weights = next_token_pairs(self.cfg, tokens, weights)
         return weighted_next_token_loss(self(inputs), targets, target_weights)
 
     # -- accounting ---------------------------------------------------------------------------
@@ -401,6 +391,39 @@ class Transformer(nn.Module):
         dims = model_dims(self.cfg)
         attention = 6 * self.cfg.n_layers * self.cfg.n_heads * (dims.d_qk + dims.d_vo) * seq_len
         return 6 * self.matmul_parameters() + attention
+
+
+# ----------------------------------------------------------------------------- the objective
+#
+# The one place that knows seed 001's `bos_shift`: such a model reads [bos_shift_id] + tokens[:-1]
+# and predicts every token, where the usual objective reads tokens[:-1] and predicts tokens[1:].
+
+
+def context_prefix(cfg: ModelConfig) -> list[int]:
+    """Token ids every input of this model starts with: [bos_shift_id] under bos_shift (position
+    0 always held it in training), none otherwise."""
+    return [cfg.bos_shift_id] if cfg.bos_shift else []
+
+
+def tokens_per_sample(cfg: ModelConfig, seq_len: int) -> int:
+    """Tokens a training sequence spans so the forward covers `seq_len` positions: seq_len + 1
+    with the usual shift (the first token is only context), seq_len under bos_shift."""
+    return seq_len + 1 - len(context_prefix(cfg))
+
+
+def next_token_pairs(
+    cfg: ModelConfig,
+    tokens: torch.Tensor,  # (B, S)
+    weights: torch.Tensor | None = None,  # (B, S): weights[b, s] weighs the prediction OF tokens[b, s]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(inputs, targets, target weights) of a batch of token sequences: predict tokens[:, 1:]
+    from tokens[:, :-1] (weights[:, 0] unused), or under bos_shift every token from
+    [bos_shift_id] + tokens[:, :-1]."""
+    prefix = context_prefix(cfg)
+    if prefix:
+        bos = torch.full_like(tokens[:, :1], prefix[0])
+        return torch.cat([bos, tokens[:, :-1]], dim=1), tokens, weights  # (B, S) each
+    return tokens[:, :-1], tokens[:, 1:], weights[:, 1:] if weights is not None else None  # (B, S-1)
 
 
 def weighted_next_token_loss(

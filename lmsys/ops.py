@@ -36,7 +36,7 @@ def _imported_triton_mode() -> str | None:
     built the same way then."""
     if "triton" not in sys.modules:
         return None
-    try:
+    try:  # triton is already imported here; these imports only look at it
         from triton.language import standard
         from triton.runtime import JITFunction
 
@@ -117,7 +117,7 @@ def attention(
         return matrix_softmax_attention(q, k, v, causal=causal, scale=scale)
     same_length = q.shape[2] == k.shape[2]
     if same_length and use_triton(q, kernels):
-        from kernels import flash_attention
+        from kernels import flash_attention  # imports triton: only when a kernel runs (module docstring)
 
         return flash_attention(q, k, v, causal=causal, scale=scale)
     if causal and q.shape[2] == 1:  # one query after its cache sees every key: no mask, fast path
@@ -187,7 +187,7 @@ def layer_norm(
     if formula == "none":
         return x
     if use_triton(x, kernels):
-        from kernels import layer_norm as triton_layer_norm
+        from kernels import layer_norm as triton_layer_norm  # imports triton: see the module docstring
 
         return triton_layer_norm(x, weight, bias, eps=eps, formula=formula)
     return layer_norm_reference(x, weight, bias, eps, formula)
@@ -208,7 +208,7 @@ def add_layer_norm(
         summed = x + residual
         return summed, summed
     if use_triton(x, kernels):
-        from kernels import add_layer_norm as triton_add_layer_norm
+        from kernels import add_layer_norm as triton_add_layer_norm  # imports triton: module docstring
 
         return triton_add_layer_norm(x, residual, weight, bias, eps=eps, formula=formula)
     summed = x + residual

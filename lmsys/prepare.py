@@ -13,16 +13,10 @@ of about 4 MB (lmsys.corpus), and tokens go straight to the shard files, so memo
 grow with the corpus. The threads encode with the GIL released (SentencePiece batch calls) while
 this thread reads the next documents and writes the shards.
 
-Output format (FORMAT_VERSION 1), everything in `data.dir`:
-- `tokenizer.model`: the SentencePiece model the shards were encoded with;
-- `train_0000.bin`, `train_0001.bin`, ..., `val_0000.bin`, ...: raw little-endian uint16 token
-  ids (uint32 when the vocabulary has more than 65536 pieces), no header, memmap-able; a
-  split is the concatenation of its shards in order, a document may continue into the next
-  shard, every document ends with eos;
-- `manifest.json`: format version, tokenizer (file, sha256, vocab_size, special ids), dtype,
-  each shard (file, split, tokens), totals per split, the sources read (files with sizes, or
-  the default corpus and the Python version), the data config, the creation time, and the
-  `fingerprint` used to decide reuse.
+Output: the prepared-data format of lmsys/shards.py (tokenizer.model, uint16/uint32 shards,
+manifest.json). lmsys-prepare's manifest also records the sources read (files with sizes, or the
+default corpus and the Python version), the data config, the creation time, the encoding
+timings, and the `fingerprint` used to decide reuse.
 
 Split rule: document i (0-based, in corpus order) goes to validation when
 `splitmix64(i + seed * 0x9E3779B97F4A7C15) / 2**64 < val_fraction`; if that leaves a split
@@ -57,8 +51,6 @@ vocabulary is not `model.vocab_size`, a `data.dir` whose shards were made by ano
 from __future__ import annotations
 
 import json
-import os
-import secrets
 import shutil
 import sys
 import time
@@ -69,95 +61,36 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
-from lmsys.config import Config, ConfigError, compose, config_to_dict
-from lmsys.corpus import Corpus, DataError, open_corpus
-from lmsys.tokenizer import EncoderPool, Tokenizer, file_sha256, train_tokenizer
+from lmsys.cli import run_cli
+from lmsys.config import Config, compose, config_to_dict
+from lmsys.corpus import Corpus, open_corpus
+from lmsys.errors import DataError
+from lmsys.files import install_dir, sibling
+from lmsys.shards import (
+    FORMAT_VERSION,
+    MANIFEST,
+    SPLITS,
+    TOKENIZER_FILE,
+    ShardWriter,
+    TokenizerMismatch,
+    read_manifest,
+    token_dtype,
+    write_manifest,
+)
+from lmsys.tokenizer import EncoderPool, Tokenizer, train_tokenizer
 
 PROG = "lmsys-prepare"
-FORMAT = "lmsys-token-shards"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-TOKENIZER_FILE = "tokenizer.model"
-SPLITS = ("train", "val")
 BATCH_BYTES = 1 << 18  # documents are sent to workers in batches of about this much text
 BATCH_DOCS = 1024
-
-
-# ----------------------------------------------------------------------------- manifest
-
-
-class TokenizerMismatch(DataError):
-    """The shards of a prepared directory were made by another tokenizer than the one beside them."""
-
-
-def read_manifest(directory: str | Path) -> dict[str, Any]:
-    """Load `directory/manifest.json` and check it against the files: every shard exists with
-    exactly `tokens * itemsize` bytes, per-split totals add up, and tokenizer.model has the
-    recorded sha256. Raises DataError naming the problem."""
-    d = Path(directory)
-    hint = f"run `{PROG} data.dir={directory}`"
-    redo = f"run `{PROG} data.dir={directory} data.overwrite=true`"
-    if not d.is_dir():
-        raise DataError(f"prepared data directory {directory} does not exist; {hint} first")
-    path = d / MANIFEST
-    if not path.is_file():
-        raise DataError(
-            f"{directory} has no {MANIFEST} (not prepared, or preparation did not finish); {hint}"
-        )
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-        ok = manifest.get("format") == FORMAT
-    except (ValueError, AttributeError, UnicodeDecodeError) as e:
-        raise DataError(f"{path} is not a valid manifest ({e}); {redo}") from e
-    if not ok:
-        raise DataError(f"{path} is not an {FORMAT} manifest; {redo}")
-    if manifest.get("version") != FORMAT_VERSION:
-        raise DataError(
-            f"{path} has format version {manifest.get('version')}, this lmsys reads {FORMAT_VERSION}; {redo}"
-        )
-    try:
-        itemsize = np.dtype(manifest["dtype"]).itemsize
-        totals = {split: 0 for split in SPLITS}
-        for shard in manifest["shards"]:
-            file = d / shard["file"]
-            if not file.is_file():
-                raise DataError(f"shard {file} listed in {MANIFEST} is missing; {redo}")
-            size, expected = file.stat().st_size, int(shard["tokens"]) * itemsize
-            if size != expected:
-                raise DataError(
-                    f"corrupt shard {file}: {size} bytes, but {MANIFEST} says {shard['tokens']} tokens "
-                    f"({expected} bytes); {redo}"
-                )
-            totals[shard["split"]] += int(shard["tokens"])
-        for split in SPLITS:
-            if totals[split] != int(manifest["splits"][split]["tokens"]):
-                raise DataError(
-                    f"{path}: {split} shards hold {totals[split]} tokens but the total says "
-                    f"{manifest['splits'][split]['tokens']}; {redo}"
-                )
-        tok = manifest["tokenizer"]
-        tok_path = d / tok["file"]
-    except (KeyError, TypeError, ValueError) as e:
-        if isinstance(e, DataError):
-            raise
-        raise DataError(f"{path} is incomplete or malformed ({type(e).__name__}: {e}); {redo}") from e
-    if not tok_path.is_file():
-        raise DataError(f"{tok_path} is missing; {redo}")
-    sha = file_sha256(tok_path)
-    if sha != tok["sha256"]:
-        raise TokenizerMismatch(
-            f"the shards in {directory} were made by another tokenizer: {MANIFEST} says sha256 "
-            f"{str(tok['sha256'])[:12]}, {tok_path.name} is {sha[:12]}; restore it or {redo}"
-        )
-    return manifest
 
 
 def _same(a: Any, b: Any) -> bool:
     return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
-# ----------------------------------------------------------------------------- split and shards
+# ----------------------------------------------------------------------------- the split
 
 
 _MASK64 = (1 << 64) - 1
@@ -172,80 +105,6 @@ def validation_mask(indices: np.ndarray, seed: int, fraction: float) -> np.ndarr
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         x = x ^ (x >> np.uint64(31))
     return (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)) < fraction
-
-
-class ShardWriter:
-    """Appends one split's tokens to `<split>_NNNN.bin` files of at most `shard_tokens` each."""
-
-    def __init__(self, directory: Path, split: str, dtype: np.dtype, shard_tokens: int):
-        self.directory, self.split, self.dtype, self.shard_tokens = directory, split, dtype, shard_tokens
-        self.shards: list[list[Any]] = []  # [file name, tokens]
-        self.documents = 0  # complete documents written
-        self.last_doc_tokens = 0  # tokens of the last complete document (for the split fix-up)
-        self._doc_tokens = 0  # tokens of the document being written so far
-        self._fh = None
-
-    @property
-    def tokens(self) -> int:
-        return sum(n for _, n in self.shards)
-
-    def _open_next(self) -> None:
-        self._close_file()
-        name = f"{self.split}_{len(self.shards):04d}.bin"
-        self._fh = open(self.directory / name, "wb")
-        self.shards.append([name, 0])
-
-    def _close_file(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
-
-    def write(self, tokens: np.ndarray) -> None:
-        tokens = np.ascontiguousarray(tokens, dtype=self.dtype.newbyteorder("<"))
-        pos = 0
-        while pos < len(tokens):
-            if self._fh is None or self.shards[-1][1] >= self.shard_tokens:
-                self._open_next()
-            take = min(len(tokens) - pos, self.shard_tokens - self.shards[-1][1])
-            assert self._fh is not None
-            self._fh.write(tokens[pos : pos + take].tobytes())
-            self.shards[-1][1] += take
-            pos += take
-
-    def add(self, tokens: np.ndarray, lengths: np.ndarray, ends: np.ndarray) -> None:
-        """Write pieces of documents: `tokens` is their concatenation, `lengths[i]` and `ends[i]`
-        the token count of piece i and whether it ends its document (then its last token is eos)."""
-        self.write(tokens)
-        for n, end in zip(lengths.tolist(), ends.tolist()):
-            self._doc_tokens += n
-            if end:
-                self.documents += 1
-                self.last_doc_tokens, self._doc_tokens = self._doc_tokens, 0
-
-    def pop_tail(self, count: int) -> np.ndarray:
-        """Remove and return the last `count` tokens written (files are truncated, emptied
-        ones deleted); used to move one document to the other split."""
-        self._close_file()
-        parts: list[np.ndarray] = []
-        while count > 0:
-            name, n = self.shards[-1]
-            take = min(n, count)
-            path = self.directory / name
-            parts.append(
-                np.fromfile(path, dtype=self.dtype.newbyteorder("<"), offset=(n - take) * self.dtype.itemsize)
-            )
-            if take == n:
-                path.unlink()
-                self.shards.pop()
-            else:
-                os.truncate(path, (n - take) * self.dtype.itemsize)
-                self.shards[-1][1] = n - take
-            count -= take
-        return np.concatenate(parts[::-1]) if parts else np.empty(0, self.dtype)
-
-    def close(self) -> list[dict[str, Any]]:
-        self._close_file()
-        return [{"file": name, "split": self.split, "tokens": n} for name, n in self.shards]
 
 
 # ----------------------------------------------------------------------------- prepare
@@ -294,9 +153,7 @@ def _sent(sent: deque, batch: list[str], ends: list[bool], nchars: int) -> tuple
     return batch, flags
 
 
-def _progress(unit: str, desc: str):
-    from tqdm import tqdm
-
+def _progress(unit: str, desc: str) -> tqdm:
     # disable=None: a live bar on a terminal; nothing in logs (a summary line is printed instead)
     return tqdm(desc=desc, unit=unit, unit_scale=True, file=sys.stderr, disable=None, leave=False)
 
@@ -305,7 +162,7 @@ def _encode_into(
     tok: Tokenizer, corpus: Corpus, cfg: Config, tmp: Path
 ) -> tuple[dict[str, ShardWriter], dict[str, Any]]:
     d = cfg.data
-    writers = {s: ShardWriter(tmp, s, tok.dtype, d.shard_tokens) for s in SPLITS}
+    writers = {s: ShardWriter(tmp, s, token_dtype(tok.vocab_size), d.shard_tokens) for s in SPLITS}
     sent: deque = deque()  # (characters, ends) of the batches given to the pool, in order
     next_doc = 0  # corpus index of the document the next piece belongs to
     start, cpu_start, main_start = time.perf_counter(), time.process_time(), time.thread_time()
@@ -342,41 +199,33 @@ def _encode_into(
     return writers, info
 
 
-def _manifest(
-    cfg: Config, corpus: Corpus, tok: Tokenizer, given: Tokenizer | None, writers: dict[str, ShardWriter]
-) -> dict[str, Any]:
-    shards = [s for split in SPLITS for s in writers[split].close()]
-    data_cfg = config_to_dict(cfg)["data"]
+def _tokenizer_section(tok: Tokenizer, given: Tokenizer | None) -> dict[str, Any]:
     return {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
+        "file": TOKENIZER_FILE,
+        "sha256": tok.sha256,
+        "vocab_size": tok.vocab_size,
+        **tok.special_ids(),
+        "origin": str(given.path.resolve()) if given else "trained by lmsys-prepare",
+        "training": tok.training_info,
+    }
+
+
+def _provenance(
+    cfg: Config, corpus: Corpus, given: Tokenizer | None, encoding: dict[str, Any]
+) -> dict[str, Any]:
+    """What lmsys-prepare records beside the format's own fields: where the tokens came from."""
+    return {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "tokenizer": {
-            "file": TOKENIZER_FILE,
-            "sha256": tok.sha256,
-            "vocab_size": tok.vocab_size,
-            **tok.special_ids(),
-            "origin": str(given.path.resolve()) if given else "trained by lmsys-prepare",
-            "training": tok.training_info,
-        },
-        "dtype": tok.dtype.name,
-        "byteorder": "little",
-        "eos_after_every_document": True,
-        "shards": shards,
-        "splits": {
-            s: {
-                "tokens": writers[s].tokens,
-                "documents": writers[s].documents,
-                "shards": len(writers[s].shards),
-            }
-            for s in SPLITS
-        },
         "split_rule": "splitmix64(i + seed * 0x9E3779B97F4A7C15) / 2**64 < val_fraction, "
         "then at least one document per split",
         "documents": corpus.stats.as_dict(),
         "sources": corpus.describe(),
-        "config": {"data": data_cfg, "model": {"name": cfg.model.name, "vocab_size": cfg.model.vocab_size}},
+        "config": {
+            "data": config_to_dict(cfg)["data"],
+            "model": {"name": cfg.model.name, "vocab_size": cfg.model.vocab_size},
+        },
         "fingerprint": _fingerprint(cfg, corpus, given),
+        "encoding": encoding,
     }
 
 
@@ -390,20 +239,76 @@ def _check_destination(out: Path) -> None:
         )
 
 
-def _install(tmp: Path, out: Path) -> None:
-    """Rename the finished `tmp` to `out`; an old `out` is moved aside first, removed last."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
-        os.rename(out, old)
+def _given_tokenizer(cfg: Config) -> Tokenizer | None:
+    """data.tokenizer, checked against model.vocab_size; None when lmsys-prepare trains one."""
+    d = cfg.data
+    if not d.tokenizer:
+        return None
+    given = Tokenizer(Path(d.tokenizer).expanduser())
+    if given.vocab_size != cfg.model.vocab_size:
+        raise DataError(
+            f"data.tokenizer={d.tokenizer} has vocab_size {given.vocab_size} but model.vocab_size="
+            f"{cfg.model.vocab_size}; set model.vocab_size={given.vocab_size} or unset data.tokenizer "
+            "to train one"
+        )
+    return given
+
+
+def _reusable(
+    out: Path, fingerprint: dict[str, Any], given: Tokenizer | None, given_path: str | None
+) -> bool:
+    """Whether `out` already holds these sources prepared with these settings (then it is kept).
+    Refuses (DataError) to replace shards that another tokenizer than the given one made."""
+    if not (out / MANIFEST).is_file():
+        return False
     try:
-        os.rename(tmp, out)
-    except BaseException:
-        if old is not None:
-            os.rename(old, out)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        manifest = read_manifest(out)
+    except TokenizerMismatch:
+        raise  # someone put a tokenizer there: re-preparing would silently replace it
+    except DataError as e:
+        _say(f"{out} will be prepared again: {e}")
+        return False
+    if _same(manifest.get("fingerprint"), fingerprint):
+        s = manifest["splits"]
+        _say(
+            f"reusing {out}: same sources, vocab_size {manifest['tokenizer']['vocab_size']}, "
+            f"tokenizer sha256 {manifest['tokenizer']['sha256'][:12]}; "
+            f"{s['train']['tokens']:,} train and {s['val']['tokens']:,} val tokens "
+            "(data.overwrite=true prepares again)"
+        )
+        return True
+    made_by = str(manifest["tokenizer"]["sha256"])
+    if given is not None and given.sha256 != made_by:
+        raise DataError(
+            f"data.dir={out} holds shards made by another tokenizer (sha256 {made_by[:12]}) than "
+            f"data.tokenizer={given_path} (sha256 {given.sha256[:12]}); choose another data.dir "
+            "or set data.overwrite=true to encode it again"
+        )
+    _say(f"{out} was prepared from other sources or settings; preparing again")
+    return False
+
+
+def _tokenizer_into(tmp: Path, corpus: Corpus, cfg: Config, given: Tokenizer | None) -> Tokenizer:
+    """The tokenizer of the new directory, at tmp/tokenizer.model: a copy of the given one, or
+    one trained on a bounded sample of the corpus."""
+    d = cfg.data
+    t0 = time.perf_counter()
+    if given is not None:
+        shutil.copyfile(given.path, tmp / TOKENIZER_FILE)
+        tok = Tokenizer(tmp / TOKENIZER_FILE)
+        _say(f"using tokenizer {given.path} (vocab_size {tok.vocab_size}, sha256 {tok.sha256[:12]})")
+        return tok
+    _say(
+        f"training a {d.vocab_size}-piece BPE tokenizer on a sample of at most "
+        f"{d.tokenizer_sample_bytes:,} bytes"
+    )
+    tok = train_tokenizer(corpus, d.vocab_size, tmp / TOKENIZER_FILE, d.tokenizer_sample_bytes, d.seed)
+    info = tok.training_info or {}
+    _say(
+        f"tokenizer trained on {info.get('sample_bytes', 0):,} of {info.get('corpus_bytes', 0):,} "
+        f"bytes in {time.perf_counter() - t0:.1f} s (sha256 {tok.sha256[:12]})"
+    )
+    return tok
 
 
 def prepare(cfg: Config) -> Path:
@@ -411,72 +316,22 @@ def prepare(cfg: Config) -> Path:
     d = cfg.data
     out = Path(d.dir).expanduser().resolve()
     corpus = open_corpus(d.sources, text_field=d.text_field, on_decode_error=d.on_decode_error)
-    given = Tokenizer(Path(d.tokenizer).expanduser()) if d.tokenizer else None
-    if given is not None and given.vocab_size != cfg.model.vocab_size:
-        raise DataError(
-            f"data.tokenizer={d.tokenizer} has vocab_size {given.vocab_size} but model.vocab_size="
-            f"{cfg.model.vocab_size}; set model.vocab_size={given.vocab_size} or unset data.tokenizer "
-            "to train one"
-        )
-    fingerprint = _fingerprint(cfg, corpus, given)
-    if not d.overwrite and (out / MANIFEST).is_file():
-        try:
-            manifest = read_manifest(out)
-        except TokenizerMismatch:
-            raise  # someone put a tokenizer there: re-preparing would silently replace it
-        except DataError as e:
-            _say(f"{out} will be prepared again: {e}")
-        else:
-            if _same(manifest.get("fingerprint"), fingerprint):
-                s = manifest["splits"]
-                _say(
-                    f"reusing {out}: same sources, vocab_size {manifest['tokenizer']['vocab_size']}, "
-                    f"tokenizer sha256 {manifest['tokenizer']['sha256'][:12]}; "
-                    f"{s['train']['tokens']:,} train and {s['val']['tokens']:,} val tokens "
-                    "(data.overwrite=true prepares again)"
-                )
-                return out
-            made_by = str(manifest["tokenizer"]["sha256"])
-            if given is not None and given.sha256 != made_by:
-                raise DataError(
-                    f"data.dir={out} holds shards made by another tokenizer (sha256 {made_by[:12]}) than "
-                    f"data.tokenizer={d.tokenizer} (sha256 {given.sha256[:12]}); choose another data.dir "
-                    "or set data.overwrite=true to encode it again"
-                )
-            _say(f"{out} was prepared from other sources or settings; preparing again")
+    given = _given_tokenizer(cfg)
+    if not d.overwrite and _reusable(out, _fingerprint(cfg, corpus, given), given, d.tokenizer):
+        return out
     _check_destination(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = sibling(out, "tmp")
     tmp.mkdir()
+    t0 = time.perf_counter()
     try:
-        t0 = time.perf_counter()
-        if given is not None:
-            shutil.copyfile(given.path, tmp / TOKENIZER_FILE)
-            tok = Tokenizer(tmp / TOKENIZER_FILE)
-            _say(f"using tokenizer {given.path} (vocab_size {tok.vocab_size}, sha256 {tok.sha256[:12]})")
-        else:
-            _say(
-                f"training a {d.vocab_size}-piece BPE tokenizer on a sample of at most "
-                f"{d.tokenizer_sample_bytes:,} bytes"
-            )
-            tok = train_tokenizer(
-                corpus, d.vocab_size, tmp / TOKENIZER_FILE, d.tokenizer_sample_bytes, d.seed
-            )
-            info = tok.training_info or {}
-            _say(
-                f"tokenizer trained on {info.get('sample_bytes', 0):,} of {info.get('corpus_bytes', 0):,} "
-                f"bytes in {time.perf_counter() - t0:.1f} s (sha256 {tok.sha256[:12]})"
-            )
-        if tok.vocab_size != cfg.model.vocab_size:  # only a reused tokenizer can differ; checked above too
-            raise DataError(
-                f"tokenizer vocab_size {tok.vocab_size} != model.vocab_size={cfg.model.vocab_size}"
-            )
+        tok = _tokenizer_into(tmp, corpus, cfg, given)
         writers, enc = _encode_into(tok, corpus, cfg, tmp)
-        manifest = _manifest(cfg, corpus, tok, given, writers)
-        manifest["encoding"] = enc
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        manifest = write_manifest(
+            tmp, writers, _tokenizer_section(tok, given), _provenance(cfg, corpus, given, enc)
+        )
         read_manifest(tmp)  # what the loader will check, before it replaces anything
-        _install(tmp, out)
+        install_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -499,34 +354,18 @@ def prepare(cfg: Config) -> Path:
     return out
 
 
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text or type(exc).__name__
-
-
 def main(argv: list[str] | None = None) -> int:
     """`python -m lmsys.prepare [hydra overrides]`; returns the exit status (0 or 2)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
-        return 0
-    try:
+
+    def body() -> int:
+        if any(a in ("-h", "--help") for a in argv):
+            print(__doc__)
+            return 0
         prepare(compose(argv))
-    except ConfigError as e:
-        bad = [a for a in argv if "=" not in a and not a.startswith("~")]
-        hint = f" (overrides are key=value, e.g. data.dir=data/mine; see {PROG} --help)" if bad else ""
-        print(f"{PROG}: error: {_one_line(e)}{hint}", file=sys.stderr)
-        return 2
-    except DataError as e:
-        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
-        return 2
-    except OSError as e:  # disk full, permissions: still one line, nothing half-written left
-        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: error: interrupted; nothing was written", file=sys.stderr)
-        return 130
-    return 0
+        return 0
+
+    return run_cli(PROG, body, interrupted="interrupted; nothing was written")
 
 
 if __name__ == "__main__":

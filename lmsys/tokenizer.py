@@ -36,25 +36,14 @@ from typing import Any
 import numpy as np
 import sentencepiece as spm
 
-from lmsys.corpus import Corpus, DataError, FileCorpus, SourceFile, split_for_training
+from lmsys.corpus import Corpus, FileCorpus, SourceFile, split_for_training
+from lmsys.errors import DataError
+from lmsys.shards import token_dtype
 
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 RESERVED = 4 + 256  # the special pieces plus the 256 byte-fallback pieces
 # SentencePiece training "sentence" cap; longer text is cut (corpus.split_for_training)
 MAX_SENTENCE_BYTES = 8192
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """The narrowest unsigned dtype holding ids `0..vocab_size-1` (uint16 up to 65536 pieces)."""
-    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
-
-
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 class Tokenizer:

@@ -34,6 +34,6 @@ def test_bench_prepare_bad_option():
         cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        "lmsys-bench prepare: error: unknown option 'size=3'; options are key=value with key one of: "
+        "lmsys-bench prepare: error: unknown option 'size'; valid options: "
         "mb, scale, vocab, workers, sample_mb, keep"
     ]

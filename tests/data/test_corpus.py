@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lmsys.corpus import DataError, DefaultCorpus, FileCorpus, default_corpus, resolve_sources
+from lmsys.corpus import DefaultCorpus, FileCorpus, default_corpus, resolve_sources
+from lmsys.errors import DataError
 from tests.data.conftest import UNICODE_SAMPLES
 
 

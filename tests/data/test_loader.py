@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from lmsys.corpus import DataError
-from lmsys.data import Batch, PreparedData, TokenLoader
+from lmsys.data import Batch, TokenLoader
+from lmsys.errors import DataError
+from lmsys.shards import PreparedData
 from lmsys.tokenizer import EOS_ID
 
 S = 33  # tokens per sample (seq_len 32 + 1)

@@ -13,10 +13,13 @@ import torch
 
 import lmsys.corpus
 from lmsys.config import compose
-from lmsys.corpus import DataError, FileCorpus
-from lmsys.data import PreparedData, TokenLoader
-from lmsys.prepare import MANIFEST, TokenizerMismatch, prepare, read_manifest, validation_mask
-from lmsys.tokenizer import EOS_ID, Tokenizer, file_sha256
+from lmsys.corpus import FileCorpus
+from lmsys.data import TokenLoader
+from lmsys.errors import DataError
+from lmsys.files import sha256_file
+from lmsys.prepare import prepare, validation_mask
+from lmsys.shards import MANIFEST, PreparedData, TokenizerMismatch, read_manifest
+from lmsys.tokenizer import EOS_ID, Tokenizer
 from tests.data.conftest import SHARD_TOKENS, VOCAB, base_overrides, run_prepare
 
 
@@ -31,7 +34,7 @@ def split_documents(data: PreparedData, split: str) -> list[np.ndarray]:
 def test_manifest_describes_the_files(prepared, corpus_dir):
     m = read_manifest(prepared)
     tok = m["tokenizer"]
-    assert tok["vocab_size"] == VOCAB and tok["sha256"] == file_sha256(prepared / "tokenizer.model")
+    assert tok["vocab_size"] == VOCAB and tok["sha256"] == sha256_file(prepared / "tokenizer.model")
     assert (tok["pad_id"], tok["bos_id"], tok["eos_id"], tok["unk_id"]) == (0, 1, 2, 3)
     assert m["dtype"] == "uint16" and m["byteorder"] == "little"
     # shard files: exactly the listed ones, sizes match token counts, totals add up

@@ -7,7 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from lmsys.corpus import DataError
+from lmsys.errors import DataError
+from lmsys.shards import token_dtype
 from lmsys.tokenizer import (
     BOS_ID,
     EOS_ID,
@@ -16,7 +17,6 @@ from lmsys.tokenizer import (
     EncoderPool,
     Tokenizer,
     sample_sentences,
-    token_dtype,
     train_tokenizer,
 )
 from tests.data.conftest import UNICODE_SAMPLES, VOCAB, synthetic_text

@@ -33,6 +33,7 @@ def main() -> None:
     from lmsys import engine as eng
     from lmsys.config import compose, config_to_dict
     from lmsys.model import Transformer
+    from lmsys.runtime import batch_plan, resolve_precision
     from lmsys.tokenizer import Tokenizer
 
     tok = Tokenizer(Path(data_dir) / "tokenizer.model")
@@ -49,10 +50,11 @@ def main() -> None:
                 *overrides,
             ]
         )
-        plan = eng.batch_plan(cfg, world)
+        plan = batch_plan(cfg, world)
+        precision = resolve_precision(cfg.deepspeed.precision, device)
         torch.manual_seed(cfg.trainer.seed)
         model = Transformer(cfg.model)
-        engine, _, _ = eng.initialize(model, cfg, plan, device)
+        engine, _, _ = eng.initialize(model, cfg, plan, device, precision)
         g = torch.Generator().manual_seed(100 + rank)
         for _step in range(2):  # two optimizer steps
             for _ in range(plan.grad_accum):
@@ -63,19 +65,19 @@ def main() -> None:
                 engine.backward(loss)
                 engine.step()
         run_dir = out / f"zero{stage}"
-        state = {
-            "step": 2,
-            "nan_skips": 0,
-            "tokens_seen": 2 * plan.tokens_per_step,
-            "last_loss": float(loss.item()),
-            "world_size": world,
-            "zero_stage": stage,
-            "precision": eng.resolve_precision(cfg.deepspeed.precision, device),
-            "tokenizer_sha256": tok.sha256,
-            "wandb_id": None,
-            "config": config_to_dict(cfg),
-        }
-        ckpt.save(engine, run_dir, 2, state, {"loader": {}, "rng": ckpt.rng_state()}, rank, keep_last=2)
+        state = ckpt.TrainState(
+            step=2,
+            tokens_seen=2 * plan.tokens_per_step,
+            nan_skips=0,
+            last_loss=float(loss.item()),
+            world_size=world,
+            zero_stage=stage,
+            precision=precision,
+            tokenizer_sha256=tok.sha256,
+            wandb_id=None,
+            config=config_to_dict(cfg),
+        )
+        ckpt.save(engine, run_dir, state, {"loader": {}, "rng": ckpt.rng_state()}, rank, keep_last=2)
         engine.eval()
         ids = torch.randint(0, cfg.model.vocab_size, (2, 12), generator=torch.Generator().manual_seed(7))
         with torch.no_grad():

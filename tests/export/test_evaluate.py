@@ -77,9 +77,9 @@ def test_each_token_is_predicted_once_in_order(tokenizer_path):
 
 @torch.no_grad()
 def test_validation_split_eval(data_dir):
-    from lmsys.data import PreparedData
-    from lmsys.export import build_model
+    from lmsys.shards import PreparedData
     from lmsys.tokenizer import Tokenizer
+    from lmsys.weights import build_model
 
     tok = Tokenizer(data_dir / "tokenizer.model")
     torch.manual_seed(5)

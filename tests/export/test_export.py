@@ -18,6 +18,7 @@ from lmsys.export import (
     load_model,
     write_export,
 )
+from lmsys.errors import CheckpointError
 from lmsys.model import Transformer
 from tests.export.conftest import SEQ, VOCAB, small_config
 
@@ -248,7 +249,7 @@ def test_malicious_pickle_is_refused(tmp_path, ds_checkpoints):
     data = victim.read_bytes()
     marker["files"][victim.name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (tag / MARKER).write_text(json.dumps(marker))
-    with pytest.raises(ExportError, match="refuses to load"):
+    with pytest.raises(CheckpointError, match="refuses to load"):
         export_checkpoint(run, tmp_path / "out")
     assert not flag.exists()
     assert not (tmp_path / "out").exists()

@@ -246,7 +246,7 @@ def test_generation_from_an_export_matches_the_model(random_export):
 
 def test_generate_benchmark_runs_both_ways_and_compares(capsys):
     """`python -m lmsys.bench generate` (tiny, a short run): the same tokens both ways, a ratio."""
-    from lmsys.bench import main
+    from lmsys.bench.__main__ import main
 
     assert main(["generate", "prompt_tokens=8", "new_tokens=24", "repeats=1", "threads=1"]) == 0
     out = capsys.readouterr().out

@@ -175,7 +175,7 @@ def test_prepare_kernels_after_a_compiled_triton_import_is_one_clear_error():
         import torch
         import triton  # compiled mode: TRITON_INTERPRET is unset
         from lmsys import ops
-        from lmsys.config import ConfigError
+        from lmsys.errors import ConfigError
         assert ops._imported_triton_mode() == "compiled"
         for kernels, device in [("auto", "cpu"), ("torch", "cpu"), ("triton", "cuda")]:
             ops.prepare_kernels(kernels, device)  # nothing to do, nothing raised
@@ -213,7 +213,7 @@ def test_prepare_kernels_warns_of_the_interpreter_on_cuda(monkeypatch, capsys):
 def test_prepare_kernels_in_this_session():
     """Here triton was imported as conftest chose: interpreter on CPU, compiled with CUDA."""
     from lmsys import ops
-    from lmsys.config import ConfigError
+    from lmsys.errors import ConfigError
 
     for choice in ("auto", "torch"):
         ops.prepare_kernels(choice, "cpu")

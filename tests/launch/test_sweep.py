@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lmsys.sweep import distinguishing_keys, expand_sweep, find_jobs, multirun_world_size
+from lmsys.sweep.multirun import expand_sweep, multirun_world_size
+from lmsys.sweep.summary import distinguishing_keys, find_jobs
 from tests.launch.conftest import MAX_STEPS, assert_trained, child_env, losses, one_error_line, run, run_meta
 
 
@@ -265,7 +266,7 @@ def test_shared_sweep_dir_is_the_one_the_first_rank_set(monkeypatch):
 
     from torch.distributed import TCPStore
 
-    from lmsys.sweep import SWEEP_DIR_KEY, default_sweep_dir, shared_sweep_dir
+    from lmsys.sweep.multirun import SWEEP_DIR_KEY, default_sweep_dir, shared_sweep_dir
 
     argv = ["-m", "optim.lr=1e-3,3e-4"]
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmsys.config import ConfigError, compose, compose_model
+from lmsys.config import compose, compose_model
+from lmsys.errors import ConfigError
 from lmsys.model import KVCache, Transformer, weighted_next_token_loss
 from tests.model import references as ref
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from lmsys.config import compose, tokens_per_sample
+from lmsys.config import compose
 from lmsys.engine import lr_at, param_groups
-from lmsys.model import Transformer
-from lmsys.train import seed_everything
+from lmsys.model import Transformer, tokens_per_sample
+from lmsys.runtime import seed_everything
 
 
 def plain_losses(
@@ -18,7 +18,8 @@ def plain_losses(
 ) -> dict[int, float]:
     """Loss per step of a plain loop over the whole global batch; `skip_steps` consume their batch
     but make no update (what a NaN step must amount to)."""
-    from lmsys.data import PreparedData, TokenLoader
+    from lmsys.data import TokenLoader
+    from lmsys.shards import PreparedData
 
     cfg = compose(overrides)
     t, o = cfg.trainer, cfg.optim

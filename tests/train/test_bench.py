@@ -64,9 +64,9 @@ def test_bench_train_bad_option_is_one_line(tmp_path):
 def test_gpu_path_builds_its_config_and_imports():
     """The CUDA path (gpt2_124m, T=1024, bf16, compile + SDPA) cannot run here; check that its
     configuration composes and its code imports."""
-    from lmsys.bench_train import GPU_DEFAULTS, PlainLoop  # noqa: F401
+    from lmsys.bench.train import GPU_DEFAULTS, PlainLoop  # noqa: F401
     from lmsys.config import compose
-    from lmsys.engine import batch_plan
+    from lmsys.runtime import batch_plan
 
     cfg = compose(GPU_DEFAULTS)
     plan = batch_plan(cfg, 1)

@@ -199,7 +199,8 @@ def test_step_with_the_partly_weighted_last_sample_matches_plain_pytorch(runs, t
     """The split's last sample repeats tokens of the one before with weight 0; a step that draws
     it has fewer weighted predictions than G * seq_len, so the 2-rank run must not take the
     uniform-weights shortcut there. A seed whose first steps draw that sample, vs the plain loop."""
-    from lmsys.data import PreparedData, TokenLoader
+    from lmsys.data import TokenLoader
+    from lmsys.shards import PreparedData
 
     data = PreparedData(runs.data_dir)
     seed = next(

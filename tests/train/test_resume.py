@@ -81,7 +81,7 @@ def killed_run(runs, tmp_path_factory):
     for p in survivors:
         p.kill()
     psutil.wait_procs(survivors, timeout=20)
-    from lmsys.metrics import read_metrics
+    from lmsys.rundir import read_metrics
 
     steps = [r["step"] for r in read_metrics(run_dir, "train")]
     return run_dir, steps, [p.pid for p in survivors]
@@ -97,7 +97,7 @@ def test_kill9_leaves_a_run_mid_way(killed_run):
     run_dir, steps, survivors = killed_run
     assert 4 <= max(steps) < MAX_STEPS, steps
     assert survivors == [], "workers outlived the killed torchrun launcher"
-    assert ckpt.find_latest(run_dir, lambda m: None)[0].name == "step_0000004"
+    assert ckpt.find_latest(run_dir, lambda m: None).tag_dir.name == "step_0000004"
 
 
 def test_resume_after_kill9_reproduces_the_losses_exactly(runs, resumed_run):
@@ -209,7 +209,7 @@ def test_dead_rank_ends_the_attempt_and_max_restarts_resumes(runs, tmp_path):
     assert "step_0000002 (step 2)" in proc.stdout
     run_dirs = [p for p in (tmp_path / "runs").iterdir()]
     assert len(run_dirs) == 1 and run_dirs[0].name.startswith("tiny-"), run_dirs
-    from lmsys.metrics import read_metrics
+    from lmsys.rundir import read_metrics
 
     records = {r["step"]: r for r in read_metrics(run_dirs[0], "train")}
     assert sorted(records) == list(range(1, MAX_STEPS + 1))

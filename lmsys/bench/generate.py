@@ -5,20 +5,26 @@
     python -m lmsys.bench generate set=max_seq_len=1024 repeats=1   # a longer window: O(T) vs O(T^2)
 
 Both runs generate greedily from the same random-weight model and prompt, so they produce the
-same tokens (checked); the ratio cached/uncached is the figure to report (DESIGN.md: every
+same tokens (checked); the ratio cached/uncached is the figure to report (docs/DESIGN.md: every
 benchmark prints a ratio against a baseline measured in the same run), with the absolute
 numbers and the device.
 """
 
 from __future__ import annotations
 
-import platform
 import sys
 import time
 
 import torch
 
-from lmsys.export import Option, UsageError, parse_options, resolve_device, resolve_dtype, run_cli
+from lmsys.cli import Option, parse_options, run_cli
+from lmsys.config import compose_model
+from lmsys.errors import UsageError
+from lmsys.generate import Sampling, generate_one
+from lmsys.metrics import device_name
+from lmsys.model import Transformer
+from lmsys.ops import prepare_kernels
+from lmsys.runtime import DEVICE_OPTION, DTYPE_OPTION, resolve_device, resolve_dtype
 
 PROG = "lmsys-bench generate"
 
@@ -28,18 +34,12 @@ OPTIONS = [
     Option("prompt_tokens", "int", 16, "prompt length"),
     Option("new_tokens", "int", None, "tokens to generate (default: fill the context window)"),
     Option("repeats", "int", 3, "timed repetitions of each (the best is reported)"),
-    Option("device", "str", "auto", "auto, cpu, cuda"),
-    Option("dtype", "choice", "fp32", "compute dtype", ("fp32", "bf16", "fp16")),
+    DEVICE_OPTION,
+    DTYPE_OPTION,
     Option("threads", "int", None, "CPU threads for torch (default: torch's choice)"),
 ]
 
 SUMMARY = "Generation benchmark: tokens/s with and without the KV cache (greedy, random weights)."
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
 def _timed(fn, device: torch.device) -> tuple[float, list[int]]:
@@ -53,11 +53,6 @@ def _timed(fn, device: torch.device) -> tuple[float, list[int]]:
 
 
 def run(opts: dict) -> dict:
-    from lmsys.config import compose_model
-    from lmsys.generate import Sampling, generate_one
-    from lmsys.model import Transformer
-    from lmsys.ops import prepare_kernels
-
     device, dtype = resolve_device(opts["device"]), resolve_dtype(opts["dtype"])
     if opts.get("threads"):
         torch.set_num_threads(int(opts["threads"]))
@@ -89,7 +84,7 @@ def run(opts: dict) -> dict:
     same = results["cached"]["tokens"] == results["uncached"]["tokens"]
     return {
         "preset": opts["preset"],
-        "device": _device_name(device),
+        "device": device_name(device),
         "dtype": opts["dtype"],
         "prompt_tokens": n_prompt,
         "new_tokens": new,

@@ -13,7 +13,7 @@ per-step collectives and all). The two are interleaved step by step through trai
 `step_hook`: after each lmsys step the hook runs one plain step, so both see the same load on
 a shared machine. An lmsys step is timed from the hook's return to its next call, i.e. the
 whole loop iteration with its logging; evaluation and the checkpoint come with one extra step
-at the end, which is not timed. The figure to report is the ratio (DESIGN.md: every benchmark
+at the end, which is not timed. The figure to report is the ratio (docs/DESIGN.md: every benchmark
 prints a ratio against a baseline measured in the same run).
 
 On a GPU the plain loop is also run, after the interleaved part, as production-style code:
@@ -21,15 +21,10 @@ On a GPU the plain loop is also run, after the interleaved part, as production-s
 fused AdamW; tokens/s and MFU (6N + 12LHdT FLOPs per token against the device's dense bf16
 peak) are printed for each. The eager plain loop on a GPU uses bf16 autocast and fused AdamW.
 
-Options (key=value; everything else is a Hydra override of the training config):
-  steps=12        timed optimizer steps per side
-  warmup=2        untimed steps before them
-  threads=0       CPU threads (0: 1, what torchrun gives each worker of the main job; one
-                  thread also keeps a shared machine's load from stalling OpenMP barriers)
-  data=synthetic  random tokens in a temporary prepared directory (any vocabulary), or a
-                  prepared data.dir
-  compiled=auto   also time the torch.compile + SDPA loop (auto: on CUDA only; true on CPU
-                  needs a C++ compiler for inductor)
+The options below are key=value; every other argument is a Hydra override of the training
+config. threads=0 means 1 thread, what torchrun gives each worker of the main job (one thread also
+keeps a shared machine's load from stalling OpenMP barriers); compiled=true on CPU needs a C++
+compiler for inductor.
 
 Data: the timing does not depend on the token values, so by default the benchmark writes a
 synthetic prepared directory (lmsys-prepare's layout; its tokenizer.model is a placeholder that
@@ -39,9 +34,7 @@ nothing loads) sized for the preset's vocabulary; no corpus or tokenizer is need
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
-import json
 import statistics
 import sys
 import tempfile
@@ -53,14 +46,31 @@ from typing import Any
 import numpy as np
 import torch
 
+from lmsys.cli import Option, parse_options, run_cli
+from lmsys.config import compose, validate
+from lmsys.data import TokenLoader
+from lmsys.engine import lr_at, param_groups
+from lmsys.errors import UsageError
+from lmsys.files import sha256_file
+from lmsys.metrics import device_name, device_peak_flops, mfu
+from lmsys.model import Transformer
+from lmsys.ops import prepare_kernels
+from lmsys.runtime import batch_plan, resolve_device, resolve_precision, seed_everything
+from lmsys.shards import TOKENIZER_FILE, PreparedData, ShardWriter, token_dtype, write_manifest
+from lmsys.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from lmsys.train import train
+
 PROG = "lmsys-bench train"
-OPTIONS: dict[str, Any] = {"steps": 12, "warmup": 2, "data": "synthetic", "compiled": "auto", "threads": 0}
+OPTIONS = [
+    Option("steps", "int", 12, "timed optimizer steps per side"),
+    Option("warmup", "int", 2, "untimed steps before them"),
+    Option("data", "str", "synthetic", "synthetic (random tokens, any vocabulary) or a prepared data.dir"),
+    Option("compiled", "choice", "auto", "also time a torch.compile + SDPA loop (auto: on CUDA only)",
+           ("auto", "true", "false")),
+    Option("threads", "int", 0, "CPU threads (0: 1)"),
+]  # fmt: skip
 # GPT-2 small at T=1024 (its max_seq_len), 16 sequences per step, no accumulation.
 GPU_DEFAULTS = ["model=gpt2_124m", "trainer.micro_batch_size=16", "trainer.global_batch_tokens=16384"]
-
-
-class UsageError(ValueError):
-    """A bad benchmark option; one line."""
 
 
 @dataclass
@@ -87,30 +97,20 @@ class Timing:
 # ----------------------------------------------------------------------------- arguments
 
 
-def parse_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
-    """(benchmark options, Hydra overrides)."""
-    opts: dict[str, Any] = dict(OPTIONS)
-    overrides = []
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if sep and key in OPTIONS:
-            if isinstance(OPTIONS[key], int):
-                try:
-                    opts[key] = int(value)
-                except ValueError:
-                    raise UsageError(f"{key}={value!r} must be an integer") from None
-            else:
-                opts[key] = value
-        else:
-            overrides.append(arg)
-    if opts["steps"] < 2:
+def parse_args(argv: list[str]) -> tuple[dict[str, Any] | None, list[str]]:
+    """(benchmark options, Hydra overrides); None for the options after printing --help."""
+    names = {o.name for o in OPTIONS}
+    ours = [a for a in argv if a.partition("=")[0] in names or a in ("-h", "--help", "help")]
+    opts = parse_options(PROG, ours, OPTIONS, __doc__ or PROG)
+    overrides = [a for a in argv if a not in ours]
+    if opts is None:
+        return None, overrides
+    if opts["steps"] is None or opts["steps"] < 2:
         raise UsageError(f"steps={opts['steps']} must be >= 2")
-    if opts["warmup"] < 1:
+    if opts["warmup"] is None or opts["warmup"] < 1:
         raise UsageError(f"warmup={opts['warmup']} must be >= 1 (the first step builds optimizer state)")
-    if opts["threads"] < 0:
+    if opts["threads"] is None or opts["threads"] < 0:
         raise UsageError(f"threads={opts['threads']} must be >= 0")
-    if opts["compiled"] not in ("auto", "true", "false"):
-        raise UsageError(f"compiled={opts['compiled']!r} is not valid; choose one of: auto, true, false")
     return opts, overrides
 
 
@@ -118,39 +118,30 @@ def parse_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
 
 
 def write_synthetic_data(directory: Path, vocab_size: int, train_tokens: int, seed: int = 0) -> Path:
-    """A prepared-data directory (manifest, shards) of uniformly random tokens."""
-    from lmsys.prepare import FORMAT, FORMAT_VERSION, MANIFEST
-
+    """A prepared-data directory (lmsys.shards' format) of uniformly random tokens. Its
+    tokenizer.model is a placeholder that nothing loads."""
     directory.mkdir(parents=True, exist_ok=True)
-    dtype = np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
     rng = np.random.default_rng(seed)
     counts = {"train": train_tokens, "val": max(4096, train_tokens // 20)}
-    shards = []
-    for split, n in counts.items():
-        name = f"{split}_0000.bin"
-        rng.integers(0, vocab_size, size=n, dtype=np.int64).astype(dtype).tofile(directory / name)
-        shards.append({"file": name, "split": split, "tokens": n})
-    tokenizer = directory / "tokenizer.model"
-    tokenizer.write_bytes(b"synthetic benchmark data: no tokenizer\n")
-    manifest = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "tokenizer": {
-            "file": tokenizer.name,
-            "sha256": hashlib.sha256(tokenizer.read_bytes()).hexdigest(),
-            "vocab_size": vocab_size,
-            "pad_id": 0,
-            "bos_id": 1,
-            "eos_id": 2,
-            "unk_id": 3,
-            "origin": "synthetic (lmsys.bench_train)",
-        },
-        "dtype": dtype.name,
-        "byteorder": "little",
-        "shards": shards,
-        "splits": {s: {"tokens": n, "documents": 1, "shards": 1} for s, n in counts.items()},
+    writers = {
+        split: ShardWriter(directory, split, token_dtype(vocab_size), n) for split, n in counts.items()
     }
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+    for split, n in counts.items():
+        tokens = rng.integers(0, vocab_size, size=n, dtype=np.int64)
+        writers[split].add(tokens, np.array([n]), np.array([True]))
+    tokenizer = directory / TOKENIZER_FILE
+    tokenizer.write_bytes(b"synthetic benchmark data: no tokenizer\n")
+    tokenizer_section = {
+        "file": tokenizer.name,
+        "sha256": sha256_file(tokenizer),
+        "vocab_size": vocab_size,
+        "pad_id": PAD_ID,
+        "bos_id": BOS_ID,
+        "eos_id": EOS_ID,
+        "unk_id": UNK_ID,
+        "origin": "synthetic (lmsys.bench.train)",
+    }
+    write_manifest(directory, writers, tokenizer_section, {})
     return directory
 
 
@@ -171,11 +162,6 @@ class PlainLoop:
     """
 
     def __init__(self, cfg: Any, device: torch.device, *, compiled: bool = False) -> None:
-        from lmsys.data import PreparedData, TokenLoader
-        from lmsys.engine import batch_plan, param_groups
-        from lmsys.model import Transformer
-        from lmsys.train import seed_everything
-
         self.cfg, self.device = cfg, device
         self.plan = batch_plan(cfg, 1)
         seed_everything(cfg.trainer.seed)
@@ -207,8 +193,6 @@ class PlainLoop:
 
     def step(self) -> float:
         """One optimizer step; returns its seconds."""
-        from lmsys.engine import lr_at
-
         o, accum = self.cfg.optim, self.plan.grad_accum
         _sync(self.device)
         t0 = time.perf_counter()
@@ -262,9 +246,6 @@ class Interleave:
 def bench_config(opts: dict[str, Any], overrides: list[str], scratch: Path, device: torch.device) -> Any:
     """The training config: the composed one, with its run in `scratch`, warmup + steps + 1 steps
     (the last one evaluates and saves, untimed) and, by default, synthetic data."""
-    from lmsys.config import compose, validate
-    from lmsys.engine import batch_plan
-
     base = GPU_DEFAULTS if device.type == "cuda" else []
     cfg = compose([*base, *overrides])
     total = opts["warmup"] + opts["steps"] + 1
@@ -290,13 +271,8 @@ def bench_config(opts: dict[str, Any], overrides: list[str], scratch: Path, devi
 
 
 def run(opts: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    from lmsys.engine import batch_plan, resolve_device, resolve_precision
-    from lmsys.metrics import device_name, device_peak_flops, mfu
-    from lmsys.ops import prepare_kernels
-    from lmsys.train import train
-
     choice = next((o.split("=", 1)[1] for o in overrides if o.startswith("trainer.device=")), "auto")
-    device = resolve_device(choice)
+    device = resolve_device(choice, key="trainer.device")
     steps, warmup = opts["steps"], opts["warmup"]
     if device.type == "cpu":
         torch.set_num_threads(opts["threads"] or 1)
@@ -363,21 +339,16 @@ def report(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lmsys.config import ConfigError
-    from lmsys.corpus import DataError
-
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help", "help") for a in argv):
-        print(__doc__)
-        return 0
-    try:
+
+    def body() -> int:
         opts, overrides = parse_args(argv)
-        r = run(opts, overrides)
-    except (UsageError, ConfigError, DataError) as exc:
-        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
-        return 2
-    print(report(r), flush=True)
-    return 0
+        if opts is None:
+            return 0
+        print(report(run(opts, overrides)), flush=True)
+        return 0
+
+    return run_cli(PROG, body)
 
 
 if __name__ == "__main__":

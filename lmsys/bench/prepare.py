@@ -10,7 +10,7 @@ prepared by the real CLI (`python -m lmsys.prepare` in a child process: tokenize
 bounded sample of `sample_mb`, then encoding on `workers` threads). The baseline encodes the
 same documents with one `SentencePieceProcessor.encode` call per document in this process,
 with the tokenizer the 1x run trained (reading the files is not timed for the baseline; it is
-for lmsys-prepare). The figure to report is the ratio (DESIGN.md: every benchmark prints a
+for lmsys-prepare). The figure to report is the ratio (docs/DESIGN.md: every benchmark prints a
 ratio against a baseline measured in the same run): prepare's encoding stage (reading,
 encoding, splitting, writing shards) in MB/s over the baseline's MB/s; the end-to-end figure
 (interpreter start, config, tokenizer training, pool start included) is printed beside it.
@@ -18,10 +18,6 @@ encoding, splitting, writing shards) in MB/s over the baseline's MB/s; the end-t
 Memory is read from /proc while the child runs: the peak resident set (VmHWM) of the main
 process, and the largest sampled sum of the resident sets of the whole
 process tree. Bounded-memory streaming shows as a 4x/1x ratio near 1.
-
-Options (key=value): mb=16 (corpus size of the 1x run, MB), scale=4 (size of the memory run,
-in corpora), vocab=2048, workers=0 (0: all cores), sample_mb=2 (tokenizer training sample),
-keep=DIR (keep the corpora and prepared directories there instead of a temporary directory).
 """
 
 from __future__ import annotations
@@ -38,38 +34,34 @@ import time
 from pathlib import Path
 from typing import Any
 
+import sentencepiece as spm
+
+from lmsys.cli import Option, parse_options, run_cli
+from lmsys.corpus import DefaultCorpus, FileCorpus, module_docstrings
+from lmsys.errors import LmsysError, UsageError
+
 PROG = "lmsys-bench prepare"
-OPTIONS: dict[str, tuple[type, Any]] = {
-    "mb": (float, 16.0),
-    "scale": (int, 4),
-    "vocab": (int, 2048),
-    "workers": (int, 0),
-    "sample_mb": (float, 2.0),
-    "keep": (str, ""),
-}
+OPTIONS = [
+    Option("mb", "float", 16.0, "corpus size of the 1x run, MB"),
+    Option("scale", "int", 4, "size of the memory run, in corpora"),
+    Option("vocab", "int", 2048, "tokenizer vocabulary"),
+    Option("workers", "int", 0, "encoding threads (0: all cores)"),
+    Option("sample_mb", "float", 2.0, "tokenizer training sample, MB"),
+    Option("keep", "str", None, "keep the corpora and prepared directories in this directory"),
+]
 FILE_BYTES = 4 << 20  # corpus files of at most this size
 
 
-class UsageError(ValueError):
-    pass
+class PrepareFailed(LmsysError):
+    """The lmsys-prepare run being measured failed."""
+
+    exit_code = 1
 
 
-def parse_options(argv: list[str]) -> dict[str, Any]:
-    opts = {k: default for k, (_, default) in OPTIONS.items()}
-    for arg in argv:
-        key, eq, value = arg.partition("=")
-        if not eq or key not in OPTIONS:
-            raise UsageError(
-                f"unknown option {arg!r}; options are key=value with key one of: {', '.join(OPTIONS)}"
-            )
-        kind = OPTIONS[key][0]
-        try:
-            opts[key] = kind(value)
-        except ValueError:
-            raise UsageError(f"{key}={value!r} is not a valid {kind.__name__}") from None
-    if opts["mb"] <= 0 or opts["sample_mb"] <= 0:
+def check_options(opts: dict[str, Any]) -> dict[str, Any]:
+    if opts["mb"] is None or opts["sample_mb"] is None or opts["mb"] <= 0 or opts["sample_mb"] <= 0:
         raise UsageError("mb and sample_mb must be > 0")
-    if opts["scale"] < 1 or opts["workers"] < 0:
+    if opts["scale"] is None or opts["workers"] is None or opts["scale"] < 1 or opts["workers"] < 0:
         raise UsageError("scale must be >= 1 and workers >= 0")
     return opts
 
@@ -79,8 +71,6 @@ def parse_options(argv: list[str]) -> dict[str, Any]:
 
 def write_corpus(directory: Path, target_bytes: int) -> int:
     """Stdlib docstrings repeated up to `target_bytes` of UTF-8, as .jsonl files; returns the bytes."""
-    from lmsys.corpus import DefaultCorpus, module_docstrings
-
     stdlib = DefaultCorpus()
     docs: list[str] = []
     have = 0
@@ -200,7 +190,7 @@ def run_prepare(corpus: Path, out: Path, opts: dict[str, Any]) -> dict[str, Any]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])
+            filter(None, [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH")])
         ),
     }
     t0 = time.perf_counter()
@@ -209,7 +199,7 @@ def run_prepare(corpus: Path, out: Path, opts: dict[str, Any]) -> dict[str, Any]
         stdout, stderr = proc.communicate()
     seconds = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise RuntimeError(
+        raise PrepareFailed(
             f"lmsys-prepare failed (exit {proc.returncode}): {stderr.strip() or stdout.strip()}"
         )
     manifest = json.loads((out / "manifest.json").read_text())
@@ -218,10 +208,6 @@ def run_prepare(corpus: Path, out: Path, opts: dict[str, Any]) -> dict[str, Any]
 
 def single_process_baseline(corpus: Path, tokenizer: Path) -> dict[str, float]:
     """One SentencePiece encode per document, in this process, on the same text."""
-    import sentencepiece as spm
-
-    from lmsys.corpus import FileCorpus
-
     docs = list(FileCorpus.from_sources([str(corpus)]).documents())
     nbytes = sum(len(d.encode("utf-8")) for d in docs)
     sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
@@ -306,20 +292,15 @@ def report(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
+
+    def body() -> int:
+        opts = parse_options(PROG, argv, OPTIONS, __doc__ or PROG)
+        if opts is None:
+            return 0
+        print(report(run(check_options(opts))), flush=True)
         return 0
-    try:
-        opts = parse_options(argv)
-        result = run(opts)
-    except UsageError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    except RuntimeError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
-    print(report(result), flush=True)
-    return 0
+
+    return run_cli(PROG, body)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,160 @@
+"""The command-line kit every lmsys command uses: `key=value` options, --help, and one exit path.
+
+    def main(argv=None) -> int:
+        def body() -> int:
+            opts = parse_options(PROG, argv, OPTIONS, SUMMARY, positional="model")
+            if opts is None:  # --help was printed
+                return 0
+            ...
+            return 0
+        return run_cli(PROG, body)
+
+`run_cli` is the only place a command turns an exception into an exit status: an `LmsysError`
+(lmsys.errors) prints one line `<prog>: error: <message>` on stderr and exits with its
+`exit_code` (2 for bad input), an OSError (disk full, permission denied) one line and 2, Ctrl-C
+one line and 130. In a distributed job every rank raises the same error; only rank 0 prints it.
+
+Imports the standard library only: the light commands (sweep summaries, launchers) stay light.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lmsys.errors import LmsysError, UsageError
+
+
+@dataclass
+class Option:
+    """One `key=value` argument of an lmsys command."""
+
+    name: str
+    kind: str  # str | int | float | bool | choice
+    default: Any
+    help: str
+    choices: tuple[str, ...] = ()
+    repeat: bool = False  # may be given several times (collected into a list)
+
+
+def parse_options(
+    prog: str, argv: list[str], options: list[Option], summary: str, positional: str | None = None
+) -> dict[str, Any] | None:
+    """Parse `key=value` arguments. Returns None after printing --help. Raises UsageError.
+
+    Values: bool takes true/false (also 1/0, yes/no); int/float as Python reads them; `none`
+    (or an empty value) for an int/float/str option means "unset" (None). With `positional`,
+    the first argument may be a bare value for that option (`lmsys-export runs/x` is
+    `checkpoint=runs/x`); a path holding '=' can still be given as `key=value`."""
+    by_name = {o.name: o for o in options}
+    if any(a in ("-h", "--help", "help") for a in argv):
+        print(format_help(prog, options, summary, positional))
+        return None
+    values: dict[str, Any] = {o.name: ([] if o.repeat else o.default) for o in options}
+    if positional is not None and argv and "=" not in argv[0] and not argv[0].startswith("-"):
+        argv = [f"{positional}={argv[0]}", *argv[1:]]
+    for arg in argv:
+        key, sep, raw = arg.partition("=")
+        key = key.strip().lstrip("-").replace("-", "_")
+        if not sep:
+            raise UsageError(f"argument {arg!r} is not key=value; run `{prog} --help` for the options")
+        opt = by_name.get(key)
+        if opt is None:
+            raise UsageError(f"unknown option {key!r}; valid options: {', '.join(by_name)}")
+        value = _convert(opt, raw)
+        if opt.repeat:
+            values[key].append(value)
+        else:
+            values[key] = value
+    for o in options:
+        if o.repeat and not values[o.name] and o.default:
+            values[o.name] = list(o.default)
+    return values
+
+
+def _convert(opt: Option, raw: str) -> Any:
+    text = raw.strip()
+    if opt.kind == "str":
+        return raw if raw != "" else None
+    if opt.kind == "choice":
+        if text not in opt.choices:
+            raise UsageError(f"{opt.name}={raw!r} is not valid; choose one of: {', '.join(opt.choices)}")
+        return text
+    if opt.kind == "bool":
+        low = text.lower()
+        if low in ("true", "1", "yes", "on"):
+            return True
+        if low in ("false", "0", "no", "off"):
+            return False
+        raise UsageError(f"{opt.name}={raw!r} is not valid; use true or false")
+    if text.lower() in ("", "none", "null"):
+        return None
+    try:
+        return int(text) if opt.kind == "int" else float(text)
+    except ValueError:
+        kind = "an integer" if opt.kind == "int" else "a number"
+        raise UsageError(f"{opt.name}={raw!r} is not valid; it must be {kind}") from None
+
+
+def format_help(prog: str, options: list[Option], summary: str, positional: str | None = None) -> str:
+    usage = (
+        f"usage: {prog} [{positional.upper()}] key=value ..."
+        if positional
+        else f"usage: {prog} key=value ..."
+    )
+    lines = [summary.rstrip(), "", usage, "", "options:"]
+    width = max(len(o.name) for o in options) + 2
+    for o in options:
+        shown = str(o.default).lower() if isinstance(o.default, bool) else o.default
+        default = "" if o.default in (None, [], "") else f" (default: {shown})"
+        choices = f" [{'|'.join(o.choices)}]" if o.choices else ""
+        repeat = " (repeatable)" if o.repeat else ""
+        lines.append(f"  {o.name:<{width}}{o.help}{choices}{default}{repeat}")
+    lines.append("")
+    lines.append("Errors print one line `" + prog + ": error: ...` on stderr and exit with status 2.")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def one_line(exc: BaseException) -> str:
+    """The exception's message with its whitespace (newlines included) folded to single spaces."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _reporting_rank() -> bool:
+    """Rank 0 reports; the other ranks of a job fail with the same status, silently."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def report_error(prog: str, exc: BaseException) -> None:
+    """`<prog>: error: <message>` on stderr (rank 0 only)."""
+    if _reporting_rank():
+        sys.stdout.flush()
+        print(f"{prog}: error: {one_line(exc)}", file=sys.stderr, flush=True)
+
+
+def warn(prog: str, message: str) -> None:
+    """`<prog>: warning: <message>` on stderr (rank 0 only)."""
+    if _reporting_rank():
+        print(f"{prog}: warning: {message}", file=sys.stderr, flush=True)
+
+
+def run_cli(prog: str, body: Callable[[], int], interrupted: str = "interrupted") -> int:
+    """Run a command's body and return its exit status (see the module docstring)."""
+    try:
+        return body()
+    except LmsysError as exc:
+        report_error(prog, exc)
+        return exc.exit_code
+    except OSError as exc:  # the machine refused (disk full, permissions): still one line
+        report_error(prog, exc)
+        return 2
+    except KeyboardInterrupt:
+        if _reporting_rank():
+            print(f"{prog}: {interrupted}", file=sys.stderr, flush=True)
+        return 130

@@ -1,0 +1,44 @@
+"""The error vocabulary of lmsys: every mistake a user can make, and how a command reports it.
+
+Each raises a subclass of `LmsysError` whose message is one line naming the bad value and what
+would be valid. Commands catch `LmsysError` in one place (`lmsys.cli.run_cli`): the message goes
+to stderr as `<prog>: error: <message>` and the process exits with the error's `exit_code`, 2 for
+a mistake in the input, 1 for a run that failed on its own (too many NaN losses).
+
+This module imports nothing, so every layer (the light CLIs included) can raise these.
+"""
+
+from __future__ import annotations
+
+
+class LmsysError(ValueError):
+    """A mistake in what the user gave lmsys; one line, exit status `exit_code`."""
+
+    exit_code = 2
+
+
+class UsageError(LmsysError):
+    """A command-line mistake: an unknown option, a value of the wrong kind."""
+
+
+class ConfigError(UsageError):
+    """A configuration mistake: a misspelled key, a value out of range; names the key."""
+
+
+class DataError(LmsysError):
+    """Bad text or prepared data: a missing source, undecodable bytes, corrupt shards, a tokenizer
+    that does not match."""
+
+
+class CheckpointError(LmsysError):
+    """A checkpoint that is damaged or cannot serve this run."""
+
+
+class ExportError(LmsysError):
+    """A missing, corrupt or mismatching export or checkpoint file for the export tools."""
+
+
+class TrainingError(LmsysError, RuntimeError):
+    """Training cannot go on (e.g. too many non-finite losses): the run failed, the input was fine."""
+
+    exit_code = 1

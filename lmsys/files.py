@@ -1,0 +1,80 @@
+"""Writing files so that a kill at any moment never leaves a half-written one behind.
+
+Every lmsys output that something else reads back (checkpoints, prepared data, exports, run
+files, sweep indexes) is written under a temporary name beside its destination and renamed
+into place when complete: a reader sees the old version or the whole new one, never a mix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+TMP_PREFIX = ".tmp-"  # the names of files and directories still being written
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable (best effort: some filesystems refuse)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def fsync_files(directory: Path) -> None:
+    """fsync every file under `directory`, so its contents are on disk before a rename shows them."""
+    for path in directory.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as fh:
+                os.fsync(fh.fileno())
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` so a reader sees either the old file or the whole new one."""
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def sibling(path: Path, label: str) -> Path:
+    """A hidden, unused name next to `path` (`.tmp-<name>.<label>-<pid>-<random>`), for a
+    directory being written or an old one being moved aside: whatever a kill leaves under such a
+    name is leftover work, which the writers clean up."""
+    return path.with_name(f"{TMP_PREFIX}{path.name}.{label}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def install_dir(tmp: Path, out: Path) -> None:
+    """Rename the finished directory `tmp` to `out`. An existing `out` is moved aside first and
+    removed last; if the rename fails it is put back."""
+    old = None
+    if out.exists():
+        old = sibling(out, "old")
+        os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        if old is not None:
+            os.rename(old, out)
+        raise
+    fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
