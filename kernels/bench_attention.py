@@ -15,7 +15,7 @@ TFLOP/s and ratio = ours / that backend's throughput (> 1: ours faster):
                         backend, so the backward is that backend's own kernel
     attention fwd+bwd   forward then backward, as a training step runs them
 
-FLOPs (DESIGN.md "Performance"): forward 4*B*H*T*T*d, half when causal; backward 2.5x forward,
+FLOPs (docs/DESIGN.md "Performance"): forward 4*B*H*T*T*d, half when causal; backward 2.5x forward,
 forward+backward 3.5x. The same FLOPs are credited to the baseline, so the ratio is the inverse
 ratio of times. The issue's H100 bf16 targets read straight off the rows with d=128, causal=True,
 T >= 4096 and baseline sdpa-flash: "attention fwd" ratio >= 1.3 and "attention bwd" ratio >= 1.2

@@ -18,7 +18,7 @@ a row of zeros, most constant rows), and the gradients are NaN too. When roundin
 computed mean an ulp away from the constant, the row instead comes out as +-1 values. Either
 way the output is meaningless; use an eps formula when constant rows can occur.
 
-Files follow the kernel pattern of DESIGN.md: `_layer_norm_fwd_kernel` / `_layer_norm_bwd_kernel`
+Files follow the kernel pattern of docs/DESIGN.md: `_layer_norm_fwd_kernel` / `_layer_norm_bwd_kernel`
 (private, @triton.jit) -> host launchers `layer_norm_forward` / `layer_norm_backward` ->
 `LayerNormFunction` / `AddLayerNormFunction` -> `layer_norm` / `add_layer_norm`. The plain torch
 references `layer_norm_reference` / `add_layer_norm_reference` sit beside them.

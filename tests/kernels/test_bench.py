@@ -80,7 +80,7 @@ def test_peak_hbm_override_wins():
 
 
 def test_attention_flops_model():
-    """DESIGN.md: forward 4*B*H*T*T*d, half when causal; backward 2.5x, forward+backward 3.5x."""
+    """docs/DESIGN.md: forward 4*B*H*T*T*d, half when causal; backward 2.5x, forward+backward 3.5x."""
     fwd = 4.0 * 2 * 3 * 64 * 64 * 32
     assert _flops(2, 3, 64, 32, False, "attention fwd") == fwd
     assert _flops(2, 3, 64, 32, True, "attention fwd") == fwd / 2

@@ -1,7 +1,7 @@
 """Layer-norm kernels against the float64 autograd of the torch reference.
 
 Without a GPU these run on CPU tensors through the Triton interpreter (tests/conftest.py sets
-TRITON_INTERPRET=1), so rows are few (3-6) and the widths are the odd ones of DESIGN.md.
+TRITON_INTERPRET=1), so rows are few (3-6) and the widths are the odd ones of docs/DESIGN.md.
 """
 
 from __future__ import annotations
