@@ -1,0 +1,197 @@
+"""The architecture's rules, checked on the source (docs/DESIGN.md, "Rooms"):
+
+- no import cycle among the modules of lmsys/, kernels/ and launch/ (imports inside functions
+  count: a lazy import still couples two modules);
+- no module of lmsys/ over 700 lines, no function outside kernels/ over 100 lines;
+- every command's `main` reports errors through `lmsys.cli.run_cli` (one exit path, one
+  error vocabulary), and no module defines its own error base class outside lmsys/errors.py;
+- an import inside a function of lmsys/ or launch/ says why it is late (a comment before it in
+  that function);
+- the code and docs cite nothing outside the repository (the docs they cite are in docs/).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("lmsys", "kernels", "launch")
+MAX_MODULE_LINES = 700
+MAX_FUNCTION_LINES = 100
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the packages."""
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+TREES = {name: ast.parse(path.read_text(encoding="utf-8")) for name, path in MODULES.items()}
+
+
+def _imported(module: str, tree: ast.Module) -> set[str]:
+    """The project modules `module` imports, anywhere in its body."""
+    targets: set[str] = set()
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # `from lmsys import checkpoint` imports the submodule; `from lmsys.x import f` the module
+            names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+        for name in names:
+            while name and name not in MODULES:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                targets.add(name)
+    return targets
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles():
+    graph = {name: _imported(name, tree) for name, tree in TREES.items()}
+    # a package's __init__ importing its own submodules is not a cycle of concerns
+    for name in graph:
+        graph[name] = {t for t in graph[name] if not name.startswith(t + ".")}
+    assert _cycles(graph) == []
+
+
+def test_module_sizes():
+    too_long = {
+        name: n
+        for name, path in MODULES.items()
+        if name.startswith("lmsys") and (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert too_long == {}
+
+
+def test_function_sizes():
+    too_long = {}
+    for name, tree in TREES.items():
+        if name.startswith("kernels"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    too_long[f"{name}.{node.name}"] = length
+    assert too_long == {}
+
+
+def test_every_command_exits_through_run_cli():
+    """(kernels/ stands alone, without lmsys: its benchmark CLIs are its own.)"""
+    commands = [
+        name for name, tree in TREES.items() if any(_defines(tree, "main")) and not name.startswith("kernels")
+    ]
+    assert len(commands) >= 12, commands  # the five CLIs, benches, sweeps, launchers
+    missing = [name for name in commands if "run_cli" not in ast.unparse(next(_defines(TREES[name], "main")))]
+    assert missing == []
+
+
+def _defines(tree: ast.Module, function: str):
+    return (n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function)
+
+
+def test_one_error_vocabulary():
+    """Exceptions raised to users derive from lmsys.errors.LmsysError; no other module defines a
+    base class of its own (a class deriving directly from a builtin exception)."""
+    builtins = {"Exception", "ValueError", "RuntimeError", "TypeError", "OSError"}
+    own_bases = []
+    for name, tree in TREES.items():
+        if name == "lmsys.errors" or name.startswith("kernels"):  # kernels/ stands alone: TypeError etc.
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                bases = {ast.unparse(b) for b in node.bases}
+                if bases & builtins:
+                    own_bases.append(f"{name}.{node.name}")
+    assert own_bases == []
+
+
+def test_late_imports_say_why():
+    silent = []
+    for name, tree in TREES.items():
+        if name.startswith("kernels"):  # kernels/ has its own conventions (triton's import order)
+            continue
+        lines = MODULES[name].read_text().splitlines()
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            imports = [n for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom))]
+            if not imports:
+                continue
+            first = min(n.lineno for n in imports)
+            if not any("#" in line for line in lines[node.lineno - 1 : first]):
+                silent.append(f"{name}.{node.name} (line {first})")
+    assert silent == []
+
+
+TEXT_SUFFIXES = {".py", ".md", ".yaml", ".sbatch", ".toml"}
+
+
+@pytest.mark.parametrize("document", ["docs/DESIGN.md", "docs/SPEC.md"])
+def test_cited_docs_are_in_the_repository(document):
+    assert (REPO / document).is_file()
+
+
+def test_nothing_cites_files_outside_the_repository():
+    outside = re.compile(r"\.\./shared|shared/(SPEC|DESIGN)\.md|shared/seeds")
+    offenders = []
+    for path in REPO.rglob("*"):
+        if path.suffix not in TEXT_SUFFIXES or any(p.startswith(".") for p in path.relative_to(REPO).parts):
+            continue
+        if path.name == "test_architecture.py":
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if outside.search(line):
+                offenders.append(f"{path.relative_to(REPO)}:{number}")
+    assert offenders == []
