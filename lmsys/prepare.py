@@ -63,9 +63,9 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from lmsys.cli import run_cli
+from lmsys.cli import run_cli, warn
 from lmsys.config import Config, compose, config_to_dict
-from lmsys.corpus import Corpus, open_corpus
+from lmsys.corpus import Corpus, FileCorpus, open_corpus
 from lmsys.errors import DataError
 from lmsys.files import install_dir, sibling
 from lmsys.shards import (
@@ -316,6 +316,8 @@ def prepare(cfg: Config) -> Path:
     d = cfg.data
     out = Path(d.dir).expanduser().resolve()
     corpus = open_corpus(d.sources, text_field=d.text_field, on_decode_error=d.on_decode_error)
+    if isinstance(corpus, FileCorpus):
+        _say(f"sources: {corpus.scan.summary()}")
     given = _given_tokenizer(cfg)
     if not d.overwrite and _reusable(out, _fingerprint(cfg, corpus, given), given, d.tokenizer):
         return out
@@ -345,6 +347,14 @@ def prepare(cfg: Config) -> Path:
         f"encoded {st.documents:,} documents ({mb:.1f} MB){empty}{skipped} in {enc['seconds']:.1f} s "
         f"({mb / max(enc['seconds'], 1e-9):.1f} MB/s, {enc['workers']} workers)"
     )
+    for split in SPLITS:
+        if s[split]["tokens"] == 0:
+            warn(
+                PROG,
+                f"the {split} split is empty ({st.documents} document(s) in all, and a document goes "
+                "to one split whole); lmsys-train needs text in both: add documents, or split a "
+                "long one into several files",
+            )
     _say(
         f"wrote {out}: {s['train']['tokens']:,} train tokens ({s['train']['documents']:,} documents, "
         f"{s['train']['shards']} shards), {s['val']['tokens']:,} val tokens "
