@@ -11,7 +11,11 @@ activation names, ...) live in `validate`, which raises `ConfigError` with one l
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
+import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -358,7 +362,8 @@ def to_config(cfg: DictConfig | Config) -> Config:
 
 def hydra_error_line(exc: BaseException) -> str:
     """Hydra and OmegaConf errors carry several lines and a chain of causes; keep one line that
-    names the key (the first message with a `full_key:`), plus the valid options when listed."""
+    names the key (the first message with a `full_key:`), plus the valid options when listed and,
+    for a misspelled key or group choice, the nearest valid one."""
     chain: list[str] = []
     seen: BaseException | None = exc
     while seen is not None and len(chain) < 10:
@@ -377,7 +382,31 @@ def hydra_error_line(exc: BaseException) -> str:
         options = text.split("Available options", 1)[1].split("Config search path", 1)[0]
         names = [ln.strip() for ln in options.splitlines()[1:] if ln.strip()]
         head = f"{head}; available: {', '.join(names)}"
+        missing = re.search(r"Could not find '([^/']+)/([^']+)'", head)
+        if missing:
+            head += _did_you_mean(missing.group(2), names, f"{missing.group(1)}=")
+    unknown = re.match(r"Key '([^']+)' not in '(\w+)'", head)
+    if unknown:
+        parent = full_key.rpartition(".")[0] if full_key else ""
+        prefix = f"{parent}." if parent else ""
+        head += _did_you_mean(unknown.group(1), schema_keys(parent), prefix)
     return head
+
+
+def _did_you_mean(word: str, valid: list[str], prefix: str) -> str:
+    close = difflib.get_close_matches(word, valid, n=1, cutoff=0.6)
+    return f"; did you mean {prefix}{close[0]}?" if close else ""
+
+
+def schema_keys(path: str = "") -> list[str]:
+    """The keys the schema allows under a dotted path ("" for the top level, e.g. "model.ffn")."""
+    node: Any = Config
+    for part in [p for p in path.split(".") if p]:
+        hints = typing.get_type_hints(node)
+        if part not in hints or not dataclasses.is_dataclass(hints[part]):
+            return []
+        node = hints[part]
+    return [f.name for f in dataclasses.fields(node)]
 
 
 def compose(overrides: list[str] | None = None, config_name: str = "config") -> Config:
@@ -399,6 +428,23 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
         bare = [o for o in overrides if "=" not in o and not o.startswith("~")]
         hint = " (overrides are key=value, e.g. model=seed_trax or data.dir=data/mine)" if bare else ""
         raise ConfigError(hydra_error_line(exc) + hint) from exc
+
+
+def config_groups() -> dict[str, tuple[list[str], str | None]]:
+    """Each config group of conf/ -> (its choices, the default conf/config.yaml picks)."""
+    defaults: dict[str, str] = {}
+    for entry in OmegaConf.load(CONF_DIR / "config.yaml").get("defaults", []):
+        if isinstance(entry, (DictConfig, dict)):
+            for key, value in dict(entry).items():
+                if not str(key).startswith("override"):
+                    defaults[str(key)] = str(value)
+    groups = {}
+    for directory in sorted(p for p in CONF_DIR.rglob("*") if p.is_dir()):
+        choices = sorted(f.stem for f in directory.glob("*.yaml"))
+        if choices:
+            group = directory.relative_to(CONF_DIR).as_posix()
+            groups[group] = (choices, defaults.get(group))
+    return groups
 
 
 def compose_model(preset: str, overrides: list[str] | None = None) -> ModelConfig:

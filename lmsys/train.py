@@ -43,7 +43,7 @@ from lmsys import checkpoint as ckpt
 from lmsys import engine as eng
 from lmsys import rundir
 from lmsys.cli import report_error, run_cli
-from lmsys.config import CONF_DIR, Config, compose, config_to_dict, to_config
+from lmsys.config import CONF_DIR, Config, compose, config_groups, config_to_dict, flatten_dict, to_config
 from lmsys.console import Console
 from lmsys.data import Batch, TokenLoader
 from lmsys.errors import ConfigError, LmsysError, TrainingError
@@ -490,6 +490,64 @@ def train(cfg: Config, step_hook: Callable[[int], None] | None = None) -> Path:
 
 # ----------------------------------------------------------------------------- entry points
 
+# The keys most runs set, with one line each (every key: lmsys/config.py and conf/).
+KEY_HELP = [
+    ("trainer.max_steps", "optimizer steps to train"),
+    ("trainer.global_batch_tokens", "tokens per optimizer step over all ranks (accumulation is derived)"),
+    ("trainer.micro_batch_size", "sequences per rank per forward"),
+    ("trainer.run_dir", "the run's directory (null: runs/<model.name>-<time>)"),
+    ("trainer.resume", "auto | never | a checkpoint or run directory to continue from"),
+    ("trainer.eval_interval", "steps between validations"),
+    ("trainer.save_interval", "steps between checkpoints"),
+    ("trainer.keep_last", "checkpoints kept"),
+    ("trainer.device", "auto | cpu | cuda"),
+    ("optim.lr", "peak learning rate (linear warmup, then cosine decay)"),
+    ("optim.warmup_steps", "steps of linear warmup"),
+    ("data.dir", "prepared data (lmsys-prepare writes it)"),
+    ("data.seq_len", "positions per training sequence"),
+    ("deepspeed.stage", "ZeRO stage: 0 (replicated) to 3 (parameters sharded)"),
+    ("deepspeed.precision", "auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16"),
+    ("model.kernels", "auto (Triton on CUDA) | triton | torch"),
+    ("logger.wandb", "offline | online (needs WANDB_API_KEY) | disabled"),
+]
+
+EXAMPLES = """\
+examples:
+  python -m lmsys.prepare                                          # once: data/default
+  python -m lmsys.train trainer.max_steps=50                       # one process
+  torchrun --standalone --nproc_per_node=2 -m lmsys.train deepspeed=zero3 model=seed_trax
+  python -m launch.torchrun --nproc 8 -- model=gpt2_124m trainer=gpt2 optim=gpt2
+  lmsys-train -m optim.lr=1e-3,3e-4 model=tiny,seed_gpt            # a sweep: one job each
+  lmsys-train --cfg job model=gpt2_124m                            # print the composed config"""
+
+
+def usage(overrides: list[str]) -> str:
+    """lmsys-train --help: what it does, the config groups, the most used keys and their values
+    under `overrides` (`lmsys-train model=gpt2_124m --help` shows that preset's)."""
+    defaults = flatten_dict(config_to_dict(compose(overrides)))
+    lines = [
+        f"usage: {PROG} [group=choice ...] [key=value ...]     (or -m ... for a sweep)",
+        "",
+        (__doc__ or "").split("\n\n")[0].strip(),
+        "",
+        "config groups (group=choice; * marks the default):",
+    ]
+    for group, (choices, default) in config_groups().items():
+        marked = ", ".join(f"{c}*" if c == default else c for c in choices)
+        lines.append(f"  {group:<16}{marked}")
+    lines += ["", "most used keys (key=value; the value it has now in brackets):"]
+    for key, text in KEY_HELP:
+        value = defaults.get(key)
+        shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
+        lines.append(f"  {key:<30}{text} [{shown}]")
+    lines += [
+        "",
+        EXAMPLES,
+        "",
+        "Hydra's own flags: --cfg job, --info, --hydra-help. A mistake is one line on stderr, exit 2.",
+    ]
+    return "\n".join(lines)
+
 
 # An absolute config path: the task may run as `lmsys.train` (the lmsys-train console script,
 # submitit workers), where a relative one would be looked up as a Python package.
@@ -536,7 +594,10 @@ def _is_plain_run(argv: list[str]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    die_with_launcher()
+
+    def show_help() -> int:
+        print(usage([a for a in argv if not a.startswith("-")]))
+        return 0
 
     def plain_run() -> int:
         try:
@@ -549,6 +610,9 @@ def main(argv: list[str] | None = None) -> int:
         check_multirun(argv)  # every job composed up front: a mistake is one line before any job runs
         return 0
 
+    if any(arg in ("-h", "--help") for arg in argv):
+        return run_cli(PROG, show_help)
+    die_with_launcher()
     if _is_plain_run(argv):
         return run_cli(PROG, plain_run)
     if "-m" in argv or "--multirun" in argv:

@@ -225,6 +225,23 @@ def test_unknown_preset_lists_the_available_ones() -> None:
         compose(["model=seed_nope"])
 
 
+@pytest.mark.parametrize(
+    "override, suggestion",
+    [
+        ("optim.lrr=1", "did you mean optim.lr?"),
+        ("trainer.max_step=3", "did you mean trainer.max_steps?"),
+        ("model.attention.cusal=false", "did you mean model.attention.causal?"),
+        ("model=tny", "did you mean model=tiny?"),
+        ("optim.xyzzy=1", None),  # nothing close: no guess
+    ],
+)
+def test_a_misspelled_key_or_choice_gets_the_nearest_one(override: str, suggestion: str | None) -> None:
+    with pytest.raises(ConfigError) as info:
+        compose([override])
+    message = str(info.value)
+    assert message.endswith(suggestion) if suggestion else "did you mean" not in message, message
+
+
 def test_every_preset_composes_and_builds() -> None:
     for preset in ["seed_gpt", "seed_trax", "seed_postln", "seed_compact", "tiny"]:
         cfg = compose([f"model={preset}"])
