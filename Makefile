@@ -29,8 +29,7 @@ PROMPT ?= The module
 
 train: $(VENV)/.installed
 	$(PY) -m lmsys.prepare
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m lmsys.train model=tiny deepspeed=zero2 \
-		trainer.run_dir=$(RUN) $(ARGS)
+	$(PY) -m launch.torchrun --nproc $(NPROC) -- model=tiny deepspeed=zero2 trainer.run_dir=$(RUN) $(ARGS)
 	$(PY) -m lmsys.export $(RUN)
 	$(PY) -m lmsys.generate $(RUN)/export prompt="$(PROMPT)" max_new_tokens=60 temperature=0.8 top_k=40 seed=0
 
