@@ -12,6 +12,7 @@ has to set TRITON_INTERPRET=1 by hand.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -19,7 +20,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from lmsys.config import ConfigError
+from lmsys.cli import warn
+from lmsys.errors import ConfigError
 
 # Values of TRITON_INTERPRET that triton reads as "on" (triton.knobs' boolean parsing).
 _TRUTHY = ("1", "true", "on", "yes", "y")
@@ -65,11 +67,10 @@ def prepare_kernels(kernels: str, device: torch.device | str, dtype: torch.dtype
     """
     on_cuda = torch.device(device).type == "cuda"
     if on_cuda and kernels != "torch" and os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUTHY:
-        print(
-            "lmsys: warning: TRITON_INTERPRET is set: the Triton kernels run in the Python "
-            "interpreter, thousands of times slower than compiled; unset it on a GPU machine",
-            file=sys.stderr,
-            flush=True,
+        warn(
+            "lmsys",
+            "TRITON_INTERPRET is set: the Triton kernels run in the Python interpreter, thousands of "
+            "times slower than compiled; unset it on a GPU machine",
         )
     if kernels != "triton" or on_cuda:
         return
@@ -79,6 +80,8 @@ def prepare_kernels(kernels: str, device: torch.device | str, dtype: torch.dtype
             "cannot compute bf16 attention; use fp32 there, or model.kernels=auto (torch ops)"
         )
     mode = _imported_triton_mode()
+    if mode != "compiled":
+        _warn_interpreted(str(torch.device(device)))
     if mode is None:
         os.environ["TRITON_INTERPRET"] = "1"
     elif mode == "compiled":
@@ -88,6 +91,16 @@ def prepare_kernels(kernels: str, device: torch.device | str, dtype: torch.dtype
             "is fixed at import; start the process with TRITON_INTERPRET=1 in its environment, or "
             "use model.kernels=auto (torch ops on CPU)"
         )
+
+
+@functools.cache  # once per process and device: lmsys-eval run= prepares every checkpoint
+def _warn_interpreted(device: str) -> None:
+    warn(
+        "lmsys",
+        f"model.kernels=triton on {device} runs the Triton kernels in their CPU interpreter, a "
+        "correctness mode about a thousand times slower than torch (minutes per training step even "
+        "for the tiny model); model.kernels=auto uses torch ops on the CPU",
+    )
 
 
 def use_triton(x: torch.Tensor, kernels: str) -> bool:

@@ -158,10 +158,14 @@ def test_prepare_kernels_selects_the_interpreter_before_triton_is_imported():
         _TRITON_VS_TORCH,
         """
         assert ops._imported_triton_mode() == "interpreter"
+        ops.prepare_kernels("triton", torch.device("cpu"))  # again: no second warning
         """,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "layer_norm: triton ok" in proc.stdout and "attention: triton ok" in proc.stdout, proc.stdout
+    warnings = [line for line in proc.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "CPU interpreter" in warnings[0], proc.stderr
+    assert "minutes per training step" in warnings[0]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter is selected only without CUDA")
