@@ -51,7 +51,7 @@ from lmsys.engine import consolidated_state_dict
 from lmsys.errors import CheckpointError, ConfigError
 from lmsys.files import TMP_PREFIX, atomic_write_text, install_dir, sha256_file
 from lmsys.rundir import CHECKPOINTS, read_metrics, run_dir_of
-from lmsys.shards import TOKENIZER_FILE
+from lmsys.tokenizer import TOKENIZER_FILES
 from lmsys.weights import model_state_dict
 
 MARKER = "lmsys_checkpoint.json"
@@ -409,27 +409,31 @@ def read_checkpoint(path: str | Path | Checkpoint, tokenizer: str | Path | None 
 
 
 def find_tokenizer(ckpt: Checkpoint, explicit: str | Path | None = None) -> Path:
-    """The tokenizer.model a checkpoint was trained with: `explicit`, else one next to the
-    checkpoint or run, else the prepared data dir of its config (data.tokenizer, data.dir);
-    its sha256 must be the one the checkpoint records."""
+    """The tokenizer file (tokenizer.model or tokenizer.json) a checkpoint was trained with:
+    `explicit` (a file, or a directory holding one), else one next to the checkpoint or run, else
+    in the prepared data dir of its config (data.dir, data.tokenizer); its sha256 must be the one
+    the checkpoint records."""
     want = ckpt.state.tokenizer_sha256
     data = ckpt.state.config.get("data") or {}
     if explicit is not None:
-        candidates = [Path(explicit)]
+        places = [Path(explicit)]
     else:
-        candidates = [ckpt.tag_dir / TOKENIZER_FILE]
+        places = [ckpt.tag_dir]
         if ckpt.run_dir is not None:
-            candidates.append(ckpt.run_dir / TOKENIZER_FILE)
+            places.append(ckpt.run_dir)
         if data.get("dir"):
-            candidates.append(Path(data["dir"]) / TOKENIZER_FILE)
+            places.append(Path(data["dir"]))
             if ckpt.run_dir is not None and not Path(data["dir"]).is_absolute():
-                candidates.append(ckpt.run_dir.parent.parent / data["dir"] / TOKENIZER_FILE)
+                places.append(ckpt.run_dir.parent.parent / data["dir"])
         if data.get("tokenizer"):
-            candidates.append(Path(data["tokenizer"]))
+            places.append(Path(data["tokenizer"]))
+    # a directory may hold either kind; a file names itself
+    candidates = [p / name for p in places if p.is_dir() for name in TOKENIZER_FILES]
+    candidates += [p for p in places if not p.is_dir()]
     seen = []
     for cand in candidates:
         if not cand.is_file():
-            if explicit is not None:
+            if explicit is not None and not Path(explicit).is_dir():
                 raise CheckpointError(f"tokenizer={cand} does not exist")
             continue
         sha = sha256_file(cand)
@@ -439,11 +443,11 @@ def find_tokenizer(ckpt: Checkpoint, explicit: str | Path | None = None) -> Path
     if seen:
         raise CheckpointError(
             f"the tokenizer does not match the model: the checkpoint was trained with sha256 "
-            f"{want[:12]}, found {', '.join(seen)}; pass tokenizer=<the data dir's tokenizer.model>"
+            f"{want[:12]}, found {', '.join(seen)}; pass tokenizer=<the data dir's tokenizer file>"
         )
     raise CheckpointError(
         f"cannot find the tokenizer of checkpoint {ckpt.tag_dir} (looked in the checkpoint, the run and "
-        f"data.dir={data.get('dir')!r}); pass tokenizer=<path to tokenizer.model>"
+        f"data.dir={data.get('dir')!r}); pass tokenizer=<path to tokenizer.model or tokenizer.json>"
     )
 
 

@@ -119,10 +119,12 @@ def small_config(preset: str = "tiny", extra: list[str] | None = None):
     return compose_model(preset, [*SMALL, *(extra or [])])
 
 
+CORPUS_MODULES = ["json", "argparse", "collections", "functools", "itertools", "pathlib", "re", "os",
+                  "textwrap", "string", "heapq", "bisect"]  # fmt: skip
+
+
 def _write_corpus(directory: Path) -> None:
-    modules = ["json", "argparse", "collections", "functools", "itertools", "pathlib", "re", "os",
-               "textwrap", "string", "heapq", "bisect"]  # fmt: skip
-    write_docstring_files(directory, modules)
+    write_docstring_files(directory, CORPUS_MODULES)
 
 
 @pytest.fixture(scope="session")
@@ -156,6 +158,21 @@ def random_export(tmp_path_factory, tokenizer_path) -> Path:
     model = Transformer(cfg)
     out = tmp_path_factory.mktemp("exports") / "random"
     return write_export(out, cfg, model.state_dict(), tokenizer_path, {"step": 0})
+
+
+@pytest.fixture(scope="session")
+def hf_export(tmp_path_factory, tokenizer_path) -> Path:
+    """A format=hf export of a random-weight small tiny model with lmsys's SentencePiece tokenizer:
+    config.json (GPT2Config), model.safetensors, tokenizer.model, tokenizer.json,
+    tokenizer_config.json, generation_config.json, README.md."""
+    from lmsys.export import write_export
+    from lmsys.model import Transformer
+
+    cfg = small_config()
+    torch.manual_seed(3)
+    model = Transformer(cfg)
+    out = tmp_path_factory.mktemp("hf_exports") / "random-hf"
+    return write_export(out, cfg, model.state_dict(), tokenizer_path, {"step": 0}, fmt="hf")
 
 
 # ----------------------------------------------------------------------------- subprocess jobs
