@@ -335,27 +335,35 @@ def resolve(
 # ----------------------------------------------------------------------------- resume
 
 
-# Model keys that choose an implementation, not the function: changing them on resume is fine.
-_RUNTIME_MODEL_KEYS = {"model.kernels"}
+# Model keys that choose an implementation, or the weights a run started from, not the
+# function: changing them on resume is fine.
+_RUNTIME_MODEL_KEYS = frozenset({"model.kernels", "model.init_from"})
+
+
+def model_differences(
+    saved: dict[str, Any] | None, now: dict[str, Any], label: str, ignore: frozenset[str] = frozenset()
+) -> str | None:
+    """How two model config dicts differ in function (beyond _RUNTIME_MODEL_KEYS and `ignore`),
+    as `model.key=now (label: saved)`, at most four and a count; None when they do not."""
+    skip = _RUNTIME_MODEL_KEYS | ignore
+    saved_flat = {k: v for k, v in flatten_dict({"model": saved}).items() if k not in skip}
+    now_flat = {k: v for k, v in flatten_dict({"model": now}).items() if k not in skip}
+    diffs = [
+        f"{k}={now_flat.get(k)!r} ({label}: {saved_flat.get(k)!r})"
+        for k in sorted(set(saved_flat) | set(now_flat))
+        if saved_flat.get(k) != now_flat.get(k)
+    ]
+    if not diffs:
+        return None
+    return ", ".join(diffs[:4]) + (f" and {len(diffs) - 4} more" if len(diffs) > 4 else "")
 
 
 def check_compatible(
     state: TrainState, model_dict: dict[str, Any], tokenizer_sha256: str, world_size: int, stage: int
 ) -> None:
     """Refuse (CheckpointError) a resume whose model function, tokenizer or ZeRO layout differs."""
-    saved = {
-        k: v
-        for k, v in flatten_dict({"model": state.config.get("model")}).items()
-        if k not in _RUNTIME_MODEL_KEYS
-    }
-    now = {k: v for k, v in flatten_dict({"model": model_dict}).items() if k not in _RUNTIME_MODEL_KEYS}
-    diffs = [
-        f"{k}={now.get(k)!r} (checkpoint: {saved.get(k)!r})"
-        for k in sorted(set(saved) | set(now))
-        if saved.get(k) != now.get(k)
-    ]
-    if diffs:
-        shown = ", ".join(diffs[:4]) + (f" and {len(diffs) - 4} more" if len(diffs) > 4 else "")
+    shown = model_differences(state.config.get("model"), model_dict, "checkpoint")
+    if shown:
         raise CheckpointError(f"cannot resume: the model differs from the checkpoint's: {shown}")
     if state.tokenizer_sha256 != tokenizer_sha256:
         raise CheckpointError(

@@ -4,11 +4,13 @@
     python -m lmsys.export checkpoint=runs/tiny-20250101-120000 out=exports/tiny
     python -m lmsys.export checkpoint=runs/x/checkpoints/step_0000500 out=exports/x dtype=bf16
     python -m lmsys.export checkpoint=runs/x out=exports/x-hf format=hf      # GPT-2-shaped models
+    python -m lmsys.export checkpoint=exports/x out=exports/x-hf format=hf   # an export, converted
 
 `checkpoint=` is a run directory or its `checkpoints/` directory (its newest complete, intact
 checkpoint; newer damaged ones are reported and skipped: lmsys.checkpoint's rule, the one resume
 follows), or one checkpoint directory (`checkpoints/step_0000500`), of any ZeRO stage and world
-size. Without `out=`, a run's export goes to `<run dir>/export` (replacing an earlier export
+size; or an export directory, written again in `format` (e.g. an lmsys-import as format=hf).
+Without `out=`, a run's export goes to `<run dir>/export` (replacing an earlier export
 there, so the command can be re-run after more training). The weights are consolidated by
 DeepSpeed's own functions (lmsys.engine.consolidated_state_dict), loading never runs code from
 a pickle.
@@ -34,7 +36,8 @@ consolidated checkpoint's (verify=true).
 `load_export(dir) -> (Transformer, Tokenizer, meta)` reads either format with safetensors only,
 checks every tensor name and shape against config.json (naming the first mismatch) and the
 tokenizer against the model. `load_model(path)` also accepts a checkpoint (used by
-lmsys-generate and lmsys-eval).
+lmsys-generate and lmsys-eval). `initial_model(dir, cfg, sha)` is what `model.init_from=dir`
+starts a training run with: the export's weights, once its function and tokenizer are the run's.
 
 Errors (a missing or corrupt checkpoint, a mismatching file, a config that format=hf cannot
 express) print one line `lmsys-export: error: ...` on stderr and exit 2.
@@ -58,10 +61,10 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from lmsys import hf
-from lmsys.checkpoint import read_checkpoint, resolve
+from lmsys.checkpoint import model_differences, read_checkpoint, resolve
 from lmsys.cli import Option, parse_options, run_cli, warn
-from lmsys.config import ModelConfig, model_config_from_dict
-from lmsys.errors import ConfigError, ExportError, UsageError
+from lmsys.config import ModelConfig, model_config_from_dict, model_dims
+from lmsys.errors import ConfigError, DataError, ExportError, UsageError
 from lmsys.files import fsync_files, install_dir, sibling
 from lmsys.hf_tokenizer import write_transformers_tokenizer
 from lmsys.model import Transformer
@@ -182,8 +185,11 @@ def _metadata(cfg: ModelConfig, info: dict[str, Any], fmt: str, dtype: torch.dty
 
 
 def model_config_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """The model's function as config.json holds it (where a run took its first weights from,
+    model.init_from, is provenance: the model card and metadata record it)."""
     data = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     assert isinstance(data, dict)
+    data.pop("init_from", None)
     return data
 
 
@@ -287,15 +293,24 @@ def export_checkpoint(
     overwrite: bool = False,
     verify: bool = True,
 ) -> Path:
-    """Checkpoint (any ZeRO stage / world size) → export directory. Returns `out`."""
+    """Checkpoint (any ZeRO stage / world size), or an export in another format → export
+    directory. Returns `out`."""
     if fmt not in FORMATS:
         raise UsageError(f"format={fmt!r} is not valid; choose one of: {', '.join(FORMATS)}")
+    if is_export_dir(checkpoint):
+        if tokenizer is not None:
+            raise UsageError("tokenizer= is only for checkpoints; an export directory carries its own")
+        model, tok, meta = load_export(checkpoint)
+        info = {k: v for k, v in meta.items() if k not in ("format", "path", "dtype", "tied_embeddings")}
+        info["source"] = str(checkpoint)
+        return write_export(out, model.cfg, model.state_dict(), tok.path, info, dtype, fmt, overwrite, verify)
     ckpt = resolve(checkpoint, warn=lambda message: warn(PROG, message))
     if fmt == "hf":  # refuse before the (slow) consolidation
         hf.require_gpt2(ckpt.state.model_config(ckpt.tag_dir))
     loaded = read_checkpoint(ckpt, tokenizer)
+    info = {**loaded.info, "init_from": (loaded.train_config.get("model") or {}).get("init_from")}
     return write_export(
-        out, loaded.cfg, loaded.state, loaded.tokenizer_path, loaded.info, dtype, fmt, overwrite, verify
+        out, loaded.cfg, loaded.state, loaded.tokenizer_path, info, dtype, fmt, overwrite, verify
     )
 
 
@@ -391,6 +406,50 @@ def matching_tokenizer(path: Path, cfg: ModelConfig) -> Tokenizer:
             f"model.vocab_size={cfg.vocab_size}"
         )
     return tok
+
+
+# Model keys that name or initialise a model without changing its function: the export's weights
+# replace the initialisation, and a fine-tuned model may carry another name.
+_INIT_FROM_IGNORED = frozenset({"model.name", "model.init_std"})
+
+
+def _function_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """model_config_dict with the widths and scale a config leaves unset (None) filled in with the
+    values they mean, so that `ffn.d_ff: null` and `ffn.d_ff: 4 * d_model` compare equal."""
+    data = model_config_dict(cfg)
+    dims = model_dims(cfg)
+    data["ffn"]["d_ff"] = dims.d_ff
+    data["attention"].update(d_qk=dims.d_qk, d_vo=dims.d_vo, scale=dims.attention_scale)
+    return data
+
+
+def initial_model(directory: str | os.PathLike, cfg: ModelConfig, data_tokenizer_sha256: str) -> Transformer:
+    """The model a run with `model.init_from=directory` starts from: the export's weights in a
+    Transformer of the run's config `cfg` (in training mode). Refused with one line when the
+    export's model computes another function than `cfg` (compared like a resume, beyond the
+    implementation choices, the name and init_std) or was trained with another tokenizer than
+    the data's."""
+    d = Path(directory)
+    if not is_export_dir(d):
+        raise ConfigError(
+            f"model.init_from={directory} is not an export directory (model.safetensors and config.json: "
+            "lmsys-export or lmsys-import writes one)"
+        )
+    exported, tok, _ = load_export(d)
+    shown = model_differences(
+        model_config_dict(exported.cfg), model_config_dict(cfg), "export", _INIT_FROM_IGNORED
+    )
+    if shown and model_differences(_function_dict(exported.cfg), _function_dict(cfg), "", _INIT_FROM_IGNORED):
+        raise ConfigError(f"model.init_from={directory}: the run's model differs from the export's: {shown}")
+    if tok.sha256 != data_tokenizer_sha256:
+        raise DataError(
+            f"model.init_from={directory} was trained with tokenizer {tok.path} (sha256 {tok.sha256[:12]}) "
+            f"but the data was encoded with sha256 {data_tokenizer_sha256[:12]}; prepare it with "
+            f"data.tokenizer={directory}"
+        )
+    model = build_model(cfg, exported.state_dict())
+    model.train()
+    return model
 
 
 # ----------------------------------------------------------------------------- lmsys-export
