@@ -167,7 +167,7 @@ def _loading(fmt: str) -> str:
         'ids = torch.tensor([[tokenizer.eos_token_id] + tokenizer("The module")["input_ids"]])\n'
         "out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)\n"
         "print(tokenizer.decode(out[0, 1:], skip_special_tokens=True))\n```\n"
-        "The tokenizer gives exactly the ids lmsys trained with; `lmsys.export.load_export` and "
+        "The tokenizer gives exactly lmsys's ids; `lmsys.export.load_export` and "
         "`python -m lmsys.generate` also read this directory.\n"
     )
 
@@ -302,7 +302,7 @@ def export_checkpoint(
             raise UsageError("tokenizer= is only for checkpoints; an export directory carries its own")
         model, tok, meta = load_export(checkpoint)
         info = {k: v for k, v in meta.items() if k not in ("format", "path", "dtype", "tied_embeddings")}
-        info["source"] = str(checkpoint)
+        info["source"] = str(Path(checkpoint).resolve())
         return write_export(out, model.cfg, model.state_dict(), tok.path, info, dtype, fmt, overwrite, verify)
     ckpt = resolve(checkpoint, warn=lambda message: warn(PROG, message))
     if fmt == "hf":  # refuse before the (slow) consolidation
@@ -487,6 +487,8 @@ SUMMARY = (
 
 def default_out(checkpoint: str | os.PathLike) -> Path:
     """<run dir>/export for a checkpoint inside a run (run dir, checkpoints/ dir or tag dir)."""
+    if is_export_dir(checkpoint):
+        raise UsageError(f"out= is required: checkpoint={checkpoint} is an export directory, not a run")
     ckpt = resolve(checkpoint, check_hashes=False)
     if ckpt.run_dir is None:
         raise UsageError(f"out= is required: checkpoint={checkpoint} is not inside a run directory")

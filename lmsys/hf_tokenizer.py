@@ -23,7 +23,7 @@ pair of lowest rank, the leftmost of equals first. Ranked by score, they pick th
 every step, with one exception: two different splits of the same piece mergeable at once
 (pieces X+Y = Y+Z, as "▁▁"+"▁" = "▁"+"▁▁") tie in SentencePiece, and their ranks decide in
 `tokenizers`. No text reaching such a state is known (tests/export/test_hf_tokenizer.py compares
-tens of thousands of texts); `write_transformers_tokenizer` compares a broad sample and refuses
+over ten thousand texts); `write_transformers_tokenizer` compares a broad sample and refuses
 to write an export whose ids or text differ anywhere in it.
 
 Two corners cannot be expressed, both outside the encodings of text: decoding an id sequence
