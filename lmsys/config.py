@@ -99,6 +99,9 @@ class ModelConfig:
     bos_shift_id: int = 0
     init_std: float = 0.02
     kernels: str = "auto"  # auto (Triton on CUDA, torch elsewhere) | triton | torch
+    # An export directory whose weights start a training run (fine-tuning; lmsys.export.initial_model):
+    # its model must compute the same function as this config. A resumed run ignores it.
+    init_from: str | None = None
 
 
 # ----------------------------------------------------------------------------- data

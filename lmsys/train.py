@@ -47,6 +47,7 @@ from lmsys.config import CONF_DIR, Config, compose, config_groups, config_to_dic
 from lmsys.console import Console
 from lmsys.data import Batch, TokenLoader
 from lmsys.errors import ConfigError, LmsysError, TrainingError
+from lmsys.export import initial_model
 from lmsys.metrics import MetricsLogger, device_name, device_peak_flops, memory_gb, mfu
 from lmsys.model import Transformer, next_token_pairs, tokens_per_sample
 from lmsys.ops import prepare_kernels
@@ -161,7 +162,7 @@ class Trainer:
         t, plan = cfg.trainer, setup.plan
         self.cfg, self.setup, self.run_dir, self.console = cfg, setup, run.run_dir, console
         seed_everything(t.seed)  # identical initialisation on every rank
-        model = Transformer(cfg.model)
+        model = self._first_model(data, run)
         self.n_params = model.num_parameters()
         self.flops_per_token = model.flops_per_token(plan.seq_len)
         self.peak_flops = device_peak_flops(setup.device)  # per device; None on CPU: no MFU
@@ -201,6 +202,17 @@ class Trainer:
         self.stats_written = False
         self.logger: MetricsLogger | None = None
 
+    def _first_model(self, data: PreparedData, run: RunPlan) -> Transformer:
+        """A new model, or with model.init_from the export's weights (unless the run resumes:
+        then the checkpoint's weights win), before the engine wraps it."""
+        init_from = self.cfg.model.init_from
+        if init_from and run.resume is None:
+            self.console.say(f"{PROG}: starting from the weights of model.init_from={init_from}")
+            return initial_model(init_from, self.cfg.model, data.tokenizer_sha256)
+        if init_from:
+            self.console.say(f"{PROG}: resuming {run.resume.tag_dir}: model.init_from={init_from} is ignored")
+        return Transformer(self.cfg.model)
+
     def _resume(self, found: ckpt.Checkpoint) -> None:
         ckpt.load(self.engine, found.tag_dir)
         rank_state = ckpt.read_rank_state(found.tag_dir, self.setup.rank)
@@ -225,6 +237,9 @@ class Trainer:
             run_id, restarts = _elastic_ids()
             launch = {
                 "resumed_from": str(self.resumed.tag_dir) if self.resumed else None,
+                "init_from": str(Path(cfg.model.init_from).resolve())
+                if cfg.model.init_from and not self.resumed
+                else None,
                 "torchelastic_restart": restarts,
                 "world_size": setup.world_size,
                 "device": str(setup.device),
