@@ -115,5 +115,5 @@ def test_exporting_again_replaces_the_runs_export(main_job, trained_run, capsys)
 def test_default_out_needs_a_run(tmp_path, random_export, capsys):
     from lmsys.export import main
 
-    assert main([str(random_export)]) == 2  # an export directory is not a checkpoint
-    assert "is not a checkpoint" in capsys.readouterr().err
+    assert main([str(random_export)]) == 2  # an export directory is not inside a run: no default out
+    assert "out= is required" in capsys.readouterr().err
