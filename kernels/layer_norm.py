@@ -61,14 +61,19 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 MAX_N = 65536  # widest row accepted (the limit; wide rows loop over column chunks)
 # Widest row one program keeps in registers. The backward holds more live fp32 tiles (x, dy,
-# xhat, g and the dgamma/dbeta accumulators), so it switches to chunks earlier: on sm_90 a single
-# 16384-wide backward tile spills even at 32 warps, 8192 does not (ptxas -v).
+# xhat, g and the dgamma/dbeta accumulators), so it switches to chunks earlier: a single
+# 16384-wide backward tile would need 32 warps at 16 values per thread, twice the register file.
 _FWD_MAX_SINGLE_BLOCK = 16384
 _BWD_MAX_SINGLE_BLOCK = 8192
-# Tile elements per warp, i.e. 16 (forward) or 8 (backward) fp32 values per thread: about 55-80
-# registers per thread on sm_90 with no spills for every tile the launchers pick (ptxas -v).
+# Tile elements per warp: 16 fp32 values per thread in both directions. Measured with
+# `python -m kernels.inspect` (Triton 3.9, ptxas -v), no tile the launchers pick spills on sm_80 or
+# sm_90: the forward takes 40-60 registers, the backward 100-128. The backward used 8 values per
+# thread before: 32 warps at N = 8192, where 1024 threads leave 64 registers each, and it spilled
+# 40 B (56 B with the residual gradient); and at N <= 2048 one 16-warp CTA of about 80 registers
+# filled an SM with 15-20 KiB of loads in flight. 16 values per thread halve the warps per tile:
+# 8 warps for rows up to 4096 (two CTAs per SM, twice the bytes in flight) and 16 at 8192.
 _FWD_ELEMS_PER_WARP = 512
-_BWD_ELEMS_PER_WARP = 256
+_BWD_ELEMS_PER_WARP = 512
 _CHUNK = 4096  # column chunk of the looped path for rows wider than the single-block limit
 _TILE = 4096  # narrow rows: one program normalises BLOCK_M = _TILE // BLOCK_N rows at once
 _MAX_TILE = 16384  # static bound on BLOCK_M * BLOCK_N checked inside the kernels
