@@ -601,7 +601,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {path}")
     mark_kept(rows, tuned, args.update_table)
     order = {name: i for i, name in enumerate(KERNEL_ORDER)}
-    rows.sort(key=lambda r: (r["arch"], r["dtype"], order.get(r["kernel"], 99), r["case"], r["config"]))
+    rows.sort(
+        key=lambda r: (
+            r["arch"],
+            r["dtype"],
+            order.get(r["kernel"], 99),
+            r["width"] or 0,
+            r["case"],
+            r["config"],
+        )
+    )
     seconds = time.perf_counter() - start
     print()
     print(format_rows(rows, show_kept=args.update_table))
