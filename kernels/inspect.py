@@ -388,21 +388,22 @@ def update_command(args: argparse.Namespace) -> str:
 
 
 def write_tables(rows: list[dict], archs: list[int], command: str) -> list[Path]:
-    """Rewrite kernels/targets/sm_XX.json from the measured rows of the tuned kernels. Rows of a
-    dtype not measured in this run are kept when the table comes from the same Triton."""
+    """Rewrite kernels/targets/sm_XX.json from the measured rows of the tuned kernels. Cases not
+    measured in this run (another dtype, head width or mask) keep their rows when the table comes
+    from the same Triton."""
     written = []
     for arch in archs:
         target = aot.TARGETS[arch]
         measured = [
             r for r in rows if r["arch"] == target.name and r["kernel"] in TUNED_KERNELS and "error" not in r
         ]
-        fresh = {r["dtype"] for r in measured}
+        fresh = {(r["kernel"], r["dtype"], r["case"]) for r in measured}
         path = resource_tables.table_path(arch)
         kept = []
         if path.is_file():
             old = json.loads(path.read_text())
             if old.get("triton_version") == triton.__version__:
-                kept = [r for r in old["rows"] if r["dtype"] not in fresh]
+                kept = [r for r in old["rows"] if (r["kernel"], r["dtype"], r["case"]) not in fresh]
         table_rows = sorted(
             kept + [_table_row(r) for r in measured], key=lambda r: tuple(map(str, r.values()))
         )
