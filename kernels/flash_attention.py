@@ -1141,7 +1141,8 @@ def forward_launch(
             **_head_meta(d_qk, v.shape[3], q.dtype),
             **_blocks("fwd"),
         },
-        tuned=None if _INTERPRET else (_attn_fwd_tma if tma else _attn_fwd),
+        # A fixed tiling (the interpreter's, or a test's) launches the kernel itself, untuned.
+        tuned=None if _blocks("fwd") else (_attn_fwd_tma if tma else _attn_fwd),
         configs=_tuning_configs("fwd", tma),
         pre_hook=_shape_descriptors,
     )
@@ -1206,7 +1207,7 @@ def backward_launches(
             *scales,
         ),  # fmt: skip
         kwargs={"CAUSAL": bool(causal), "QDO_TMA": q_desc is not None, **meta, **_blocks("dkdv")},
-        tuned=None if _INTERPRET else (_attn_bwd_dkdv_tma if q_desc is not None else _attn_bwd_dkdv),
+        tuned=None if _blocks("dkdv") else (_attn_bwd_dkdv_tma if q_desc is not None else _attn_bwd_dkdv),
         configs=_tuning_configs("dkdv", q_desc is not None),
         pre_hook=_shape_descriptors,
     )
@@ -1235,7 +1236,7 @@ def backward_launches(
             *scales,
         ),  # fmt: skip
         kwargs={"CAUSAL": bool(causal), "KV_TMA": k_desc is not None, **meta, **_blocks("dq")},
-        tuned=None if _INTERPRET else (_attn_bwd_dq_tma if k_desc is not None else _attn_bwd_dq),
+        tuned=None if _blocks("dq") else (_attn_bwd_dq_tma if k_desc is not None else _attn_bwd_dq),
         configs=_tuning_configs("dq", k_desc is not None),
         pre_hook=_shape_descriptors,
     )
