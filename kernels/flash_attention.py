@@ -10,8 +10,8 @@ use IEEE fp32 dot products, not TF32, so fp32 results match the fp32 reference.
 
 Layering, as in the other kernel files: private `@triton.jit` kernels -> host launchers
 `flash_attention_forward` / `flash_attention_backward` -> `FlashAttentionFunction` ->
-`flash_attention`. `attention_reference` is the readable torch definition the kernels are
-tested against.
+`flash_attention`. `attention_reference` (kernels/reference.py) is the readable torch
+definition the kernels are tested against.
 
 The launchers first build `KernelLaunch` records (`forward_launch`, `backward_launches`), then
 run them; `python -m kernels.inspect` compiles the same records for sm_80 / sm_90 without a GPU.
@@ -41,6 +41,7 @@ import triton.language as tl
 
 from kernels import resource_tables
 from kernels.launch import KernelLaunch
+from kernels.reference import attention_reference  # noqa: F401  (imported from here by the tests)
 
 try:  # host-side TMA descriptors, triton >= 3.3
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -1328,23 +1329,3 @@ def flash_attention(
     scale=None means 1/sqrt(d_qk). Causal: key j is visible to query i iff j <= i.
     """
     return FlashAttentionFunction.apply(q, k, v, causal, scale)
-
-
-def attention_reference(
-    q: torch.Tensor,  # (B, H, T, d_qk)
-    k: torch.Tensor,  # (B, H, T, d_qk)
-    v: torch.Tensor,  # (B, H, T, d_vo)
-    causal: bool = True,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """The definition the kernels are tested against: fp32 matmul + softmax (float64 stays float64),
-    materialising the (T, T) matrix; returned in the input dtype."""
-    d_qk, T = q.shape[-1], q.shape[-2]
-    sm_scale = 1.0 / math.sqrt(d_qk) if scale is None else scale
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    s = (q.to(compute) @ k.to(compute).transpose(-2, -1)) * sm_scale  # (B, H, T, T)
-    if causal:
-        visible = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()  # key j <= query i
-        s = s.masked_fill(~visible, float("-inf"))
-    p = torch.softmax(s, dim=-1)  # (B, H, T, T)
-    return (p @ v.to(compute)).to(q.dtype)  # (B, H, T, d_vo)

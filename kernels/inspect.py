@@ -40,6 +40,7 @@ allocated, only shapes, strides and dtypes enter the compilation. Nothing here i
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -73,10 +74,10 @@ import triton  # noqa: E402
 from kernels import aot, resource_tables  # noqa: E402
 from kernels.launch import KernelLaunch  # noqa: E402
 
-# Loaded through sys.modules: `kernels.flash_attention` / `kernels.layer_norm` the attributes are
-# the public functions (see kernels/__init__.py).
-fa = sys.modules["kernels.flash_attention"]
-ln = sys.modules["kernels.layer_norm"]
+# The modules, by import_module: `kernels.flash_attention` / `kernels.layer_norm` the attributes
+# may be the public functions (see kernels/__init__.py).
+fa = importlib.import_module("kernels.flash_attention")
+ln = importlib.import_module("kernels.layer_norm")
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Head widths of the model family: tiny (32), GPT-2 and the seeds (64), the powers of two around

@@ -21,7 +21,7 @@ way the output is meaningless; use an eps formula when constant rows can occur.
 Files follow the kernel pattern of docs/DESIGN.md: `_layer_norm_fwd_kernel` / `_layer_norm_bwd_kernel`
 (private, @triton.jit) -> host launchers `layer_norm_forward` / `layer_norm_backward` ->
 `LayerNormFunction` / `AddLayerNormFunction` -> `layer_norm` / `add_layer_norm`. The plain torch
-references `layer_norm_reference` / `add_layer_norm_reference` sit beside them.
+references `layer_norm_reference` / `add_layer_norm_reference` are in kernels/reference.py.
 
 Statistics are always fp32; inputs may be fp32, fp16 or bf16 and outputs come back in the
 input dtype. (Under the Triton CPU interpreter, triton 3.x, the final fp32 -> bf16 rounding is
@@ -41,6 +41,11 @@ import triton
 import triton.language as tl
 
 from kernels.launch import KernelLaunch
+from kernels.reference import (  # noqa: F401  (the tests import the references from here too)
+    LAYER_NORM_FORMULAS,
+    add_layer_norm_reference,
+    layer_norm_reference,
+)
 
 __all__ = [
     "FORMULAS",
@@ -56,7 +61,7 @@ __all__ = [
 ]
 
 # Formula name -> the constexpr int the kernels branch on.
-FORMULAS: dict[str, int] = {"sqrt_var_eps": 0, "std_plus_eps": 1, "exact": 2}
+FORMULAS: dict[str, int] = {name: i for i, name in enumerate(LAYER_NORM_FORMULAS)}  # -> FORMULA constexpr
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 MAX_N = 65536  # widest row accepted (the issue's limit; wide rows loop over column chunks)
@@ -835,50 +840,3 @@ def add_layer_norm(
     differentiable and the grad of `summed` reaches x and residual.
     """
     return AddLayerNormFunction.apply(x, residual, weight, bias, eps, formula)
-
-
-# ---------------------------------------------------------------------------------------------
-# Torch references (plain ops; what the kernels are tested against)
-# ---------------------------------------------------------------------------------------------
-
-
-def layer_norm_reference(
-    x: torch.Tensor,
-    weight: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    eps: float = 1e-5,
-    formula: str = "sqrt_var_eps",
-) -> torch.Tensor:
-    """The same function in plain torch ops, computed in fp32 (float64 stays float64), returned
-    in x's dtype. Differentiable by autograd."""
-    if formula not in FORMULAS:
-        raise ValueError(f"unknown layer-norm formula {formula!r}; valid: {', '.join(FORMULAS)}")
-    compute = torch.promote_types(x.dtype, torch.float32)
-    xf = x.to(compute)
-    mu = xf.mean(dim=-1, keepdim=True)
-    xc = xf - mu
-    var = (xc * xc).mean(dim=-1, keepdim=True)  # population variance
-    if formula == "sqrt_var_eps":
-        y = xc / torch.sqrt(var + eps)
-    elif formula == "std_plus_eps":
-        y = xc / (torch.sqrt(var) + eps)
-    else:
-        y = xc / torch.sqrt(var)
-    if weight is not None:
-        y = y * weight.to(compute)
-    if bias is not None:
-        y = y + bias.to(compute)
-    return y.to(x.dtype)
-
-
-def add_layer_norm_reference(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    eps: float = 1e-5,
-    formula: str = "sqrt_var_eps",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(layer_norm_reference(x + residual, ...), x + residual)."""
-    summed = x + residual
-    return layer_norm_reference(summed, weight, bias, eps, formula), summed

@@ -20,6 +20,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from kernels.reference import add_layer_norm_reference, layer_norm_reference
 from lmsys.cli import warn
 from lmsys.errors import ConfigError
 
@@ -130,7 +131,7 @@ def attention(
         return matrix_softmax_attention(q, k, v, causal=causal, scale=scale)
     same_length = q.shape[2] == k.shape[2]
     if same_length and use_triton(q, kernels):
-        from kernels import flash_attention  # imports triton: only when a kernel runs (module docstring)
+        from kernels.flash_attention import flash_attention  # imports triton: when a kernel runs
 
         return flash_attention(q, k, v, causal=causal, scale=scale)
     if causal and q.shape[2] == 1:  # one query after its cache sees every key: no mask, fast path
@@ -160,47 +161,21 @@ def matrix_softmax_attention(
 # ----------------------------------------------------------------------------- normalisation
 
 
-def layer_norm_reference(
-    x: torch.Tensor,  # (..., N)
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    eps: float,
-    formula: str,
-) -> torch.Tensor:
-    """Row-wise normalisation with population statistics (SPEC section 5), in x's dtype."""
-    if formula == "none":
-        return x
-    if formula == "sqrt_var_eps":
-        return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
-    mu = x.mean(dim=-1, keepdim=True)
-    centred = x - mu
-    sigma = centred.pow(2).mean(dim=-1, keepdim=True).sqrt()
-    if formula == "std_plus_eps":
-        y = centred / (sigma + eps)
-    elif formula == "exact":  # no eps: a constant row is 0/0 = NaN by the seed's definition
-        y = centred / sigma
-    else:
-        raise ValueError(f"unknown normalisation formula {formula!r}")
-    if weight is not None:
-        y = y * weight
-    if bias is not None:
-        y = y + bias
-    return y
-
-
 def layer_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
+    x: torch.Tensor,  # (..., N)
+    weight: torch.Tensor | None,  # (N,)
+    bias: torch.Tensor | None,  # (N,)
     *,
     eps: float,
     formula: str,
     kernels: str = "auto",
 ) -> torch.Tensor:
+    """Row-wise normalisation with population statistics (SPEC section 5) and the optional affine:
+    the Triton kernel, or its torch definition (kernels/reference.py); "none" is the identity."""
     if formula == "none":
         return x
     if use_triton(x, kernels):
-        from kernels import layer_norm as triton_layer_norm  # imports triton: see the module docstring
+        from kernels.layer_norm import layer_norm as triton_layer_norm  # imports triton: module docstring
 
         return triton_layer_norm(x, weight, bias, eps=eps, formula=formula)
     return layer_norm_reference(x, weight, bias, eps, formula)
@@ -221,8 +196,7 @@ def add_layer_norm(
         summed = x + residual
         return summed, summed
     if use_triton(x, kernels):
-        from kernels import add_layer_norm as triton_add_layer_norm  # imports triton: module docstring
+        from kernels.layer_norm import add_layer_norm as fused  # imports triton: module docstring
 
-        return triton_add_layer_norm(x, residual, weight, bias, eps=eps, formula=formula)
-    summed = x + residual
-    return layer_norm_reference(summed, weight, bias, eps, formula), summed
+        return fused(x, residual, weight, bias, eps=eps, formula=formula)
+    return add_layer_norm_reference(x, residual, weight, bias, eps, formula)

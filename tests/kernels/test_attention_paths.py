@@ -7,7 +7,7 @@ that the pruner hook shapes the descriptors for each tiling.
 
 from __future__ import annotations
 
-import sys
+import importlib
 
 import pytest
 import torch
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="forces the TMA path thr
 
 
 def _module():
-    return sys.modules["kernels.flash_attention"]
+    return importlib.import_module("kernels.flash_attention")
 
 
 def _inputs(B, H, T, d_qk, d_vo, dtype, seed):

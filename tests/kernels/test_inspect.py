@@ -9,6 +9,7 @@ and SASS are properties of the binaries.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -24,7 +25,7 @@ import triton
 from kernels import aot, resource_tables
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-FA = sys.modules["kernels.flash_attention"]
+FA = importlib.import_module("kernels.flash_attention")
 
 # The Triton tutorial's fused-attention forward (06-fused-attention.py, TMA variant), compiled for
 # sm_90 at 128 x 128, 8 warps, 2 stages, head dim 128, causal: SASS instructions per warp in its
