@@ -475,6 +475,7 @@ def provenance(ckpt: Checkpoint) -> dict[str, Any]:
         "tokenizer_sha256": state.tokenizer_sha256,
         "source": str(ckpt.tag_dir),
         "run": ckpt.run_dir.name if ckpt.run_dir is not None else None,
+        "run_dir": str(ckpt.run_dir.resolve()) if ckpt.run_dir is not None else None,
     }
     if ckpt.run_dir is not None:
         evals = [
