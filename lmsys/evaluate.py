@@ -14,9 +14,11 @@ documents separated by eos) is cut into consecutive windows of seq_len tokens (d
 model.max_seq_len); every token is predicted exactly once, from the tokens before it in its
 window. The first token of the stream is predicted from eos (the document separator that
 precedes every document in training); a window's first token from the last token of the
-previous window. Models with bos_shift (seed 001) predict each window's first token from
-bos_shift_id, as in their training loss. Then, with N tokens and a total negative
-log-likelihood of NLL nats:
+previous window. When seq_len does not divide the stream, the last window ends at the stream's
+end with a full seq_len tokens of context and scores only the tokens not scored yet (the
+training loader's last sequence, and lm-evaluation-harness's rolling windows, do the same).
+Models with bos_shift (seed 001) predict each window's first token from bos_shift_id, as in
+their training loss. Then, with N tokens and a total negative log-likelihood of NLL nats:
     loss = NLL / N (nats/token),  perplexity = exp(NLL / N),  bits/token = NLL / N / ln 2,
     bits per byte = NLL / ln 2 / B,
 where B is the number of UTF-8 bytes of the evaluated text: the file's bytes, or for a data
@@ -128,9 +130,10 @@ def token_nll(
         group = starts[b : b + batch_size]
         samples = torch.stack([padded[s + 1 - lead : s + 1 + seq_len] for s in group])  # (B, lead + L)
         out[group[0] : group[-1] + seq_len] = _window_nll(model, samples, device).flatten()
-    if n_full * seq_len < n:  # the last, shorter window
-        s = n_full * seq_len
-        out[s:] = _window_nll(model, padded[s + 1 - lead :][None], device).flatten()
+    s = n_full * seq_len
+    if s < n:  # the rest: a window ending at the stream's end, with as much context as it holds
+        first = max(0, n - seq_len) + 1 - lead  # in padded
+        out[s:] = _window_nll(model, padded[first:][None], device).flatten()[s - n :]
     return out
 
 
