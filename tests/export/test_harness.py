@@ -1,0 +1,274 @@
+"""lm-evaluation-harness runs lmsys models: lm_eval's real command line (a subprocess) on the
+random-weight export, on three tasks written here (YAML + jsonl, nothing downloaded): a
+multiple-choice task, a rolling-perplexity task and a generation task.
+
+- multiple choice: the accuracy equals the one computed here from the model's log-likelihoods
+  (one plain forward per choice, as lm_eval's hf model encodes them), and so does each choice's
+  log-likelihood;
+- rolling perplexity: the document's log-likelihood, bits per byte, byte and word perplexity equal
+  lmsys-eval's on the same text (same windows);
+- generation: each answer is lmsys-generate's greedy continuation, cut at the stop strings.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+import torch
+from lm_eval.api.instance import Instance
+
+from lmsys.errors import ExportError
+from lmsys.harness import HarnessError, LmsysLM
+from tests.export.conftest import REPO_ROOT, SEQ, run_clis, small_config
+from tests.export.test_evaluate import held_out_text
+
+TASKS = ["lmsys_test_mc", "lmsys_test_rolling", "lmsys_test_gen"]
+UNTIL = ["\n", "."]
+
+
+def _multiple_choice_docs() -> list[dict]:
+    """20 questions of 4 choices of different lengths, from held-out docstring sentences."""
+    words = held_out_text().split()
+    docs = []
+    for i in range(20):
+        start = 37 * i
+        choices = [" ".join(words[start + 8 + 3 * k : start + 9 + 3 * k + k % 3]) for k in range(4)]
+        docs.append({"question": " ".join(words[start : start + 8]), "choices": choices, "answer": i % 4})
+    return docs
+
+
+ROLLING_TEXT = held_out_text()[:2500].strip()
+PROMPTS = ["Return the", "The default value of the argument", "A fraction", "If the"]
+
+
+def _task_yaml(name: str, data: Path, body: str) -> str:
+    head = f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+    return head + "test_split: test\n" + body
+
+
+def write_tasks(directory: Path) -> Path:
+    """The three tasks of the module docstring: YAML files and their jsonl data."""
+    directory.mkdir(parents=True, exist_ok=True)
+    data = {
+        "mc": _multiple_choice_docs(),
+        "rolling": [{"text": ROLLING_TEXT}],
+        "gen": [{"prompt": p, "target": " value"} for p in PROMPTS],
+    }
+    for name, docs in data.items():
+        (directory / f"{name}.jsonl").write_text(
+            "".join(json.dumps(d) + "\n" for d in docs), encoding="utf-8"
+        )
+    bodies = {
+        "mc": "output_type: multiple_choice\ndoc_to_text: question\ndoc_to_choice: choices\n"
+        "doc_to_target: answer\nmetric_list:\n  - metric: acc\n",
+        "rolling": 'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: text\nmetric_list:\n'
+        "  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n",
+        "gen": "output_type: generate_until\ndoc_to_text: prompt\ndoc_to_target: target\n"
+        f"generation_kwargs:\n  until: {json.dumps(UNTIL)}\n  max_gen_toks: 8\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n",
+    }
+    for name, body in bodies.items():
+        text = _task_yaml(f"lmsys_test_{name}", directory / f"{name}.jsonl", body)
+        (directory / f"{name}.yaml").write_text(text, encoding="utf-8")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def harness_runs(tmp_path_factory, random_export):
+    """Side by side: lm_eval's CLI on the three tasks, lmsys-eval on the rolling text, and the
+    `lmsys-eval harness=` shortcut on the multiple-choice task."""
+    root = tmp_path_factory.mktemp("harness")
+    tasks = write_tasks(root / "tasks")
+    text = root / "rolling.txt"
+    text.write_text(ROLLING_TEXT, encoding="utf-8")
+    lm_eval_args = ["--model", "lmsys", "--model_args", f"path={random_export}", "--tasks", ",".join(TASKS),
+                    "--include_path", str(tasks), "--batch_size", "4", "--output_path", str(root / "out"),
+                    "--log_samples"]  # fmt: skip
+    calls = {
+        "lm_eval": ["lmsys.harness", *lm_eval_args],
+        "lmsys_eval": ["lmsys.evaluate", str(random_export), f"text={text}", f"json={root / 'eval.json'}"],
+        "shortcut": ["lmsys.evaluate", str(random_export), "harness=lmsys_test_mc", f"include_path={tasks}",
+                     "batch_size=3", f"json={root / 'shortcut.json'}"],
+    }  # fmt: skip
+    with pytest.MonkeyPatch.context() as env:  # offline, and datasets' cache inside the test's directory
+        env.setenv("HF_DATASETS_OFFLINE", "1")
+        env.setenv("HF_DATASETS_CACHE", str(root / "hf_datasets"))
+        procs = run_clis(calls, parallel=3, timeout=300)
+    for name, proc in procs.items():
+        assert proc.returncode == 0, (
+            f"{name}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
+    return root, procs
+
+
+def _lm_eval_output(root: Path) -> tuple[dict, dict[str, list[dict]]]:
+    """(results, {task: logged samples in document order}) written by lm_eval's --output_path."""
+    (results_file,) = (root / "out").rglob("results_*.json")
+    samples = {}
+    for task in TASKS:
+        (path,) = (root / "out").rglob(f"samples_{task}_*.jsonl")
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+        samples[task] = sorted(rows, key=lambda row: row["doc_id"])
+    return json.loads(results_file.read_text(encoding="utf-8"))["results"], samples
+
+
+@torch.inference_mode()
+def _direct_loglikelihood(model, tok, context: str, continuation: str) -> float:
+    """log p(continuation | context) from one forward, encoded as lm_eval's hf model encodes a
+    causal pair: the context alone, the continuation as what the whole adds after it, the whole
+    cut from the left to the window (SEQ inputs)."""
+    context_ids = tok.encode(context)
+    continuation_ids = tok.encode(context + continuation)[len(context_ids) :]
+    ids = torch.tensor([(context_ids + continuation_ids)[-(SEQ + 1) :]])  # (1, T)
+    logp = torch.log_softmax(model(ids[:, :-1])[0].double(), dim=-1)  # (T - 1, V)
+    rows = range(ids.shape[1] - 1 - len(continuation_ids), ids.shape[1] - 1)
+    return sum(float(logp[r, t]) for r, t in zip(rows, continuation_ids, strict=True))
+
+
+def test_multiple_choice_accuracy_equals_the_models_loglikelihoods(harness_runs, random_export):
+    from lmsys.export import load_export
+
+    root, _ = harness_runs
+    results, samples = _lm_eval_output(root)
+    model, tok, _ = load_export(random_export)
+    correct = []
+    for doc, sample in zip(_multiple_choice_docs(), samples["lmsys_test_mc"], strict=True):
+        direct = [_direct_loglikelihood(model, tok, doc["question"], " " + c) for c in doc["choices"]]
+        logged = [float(resp[0][0]) for resp in sample["resps"]]
+        for a, b in zip(logged, direct, strict=True):
+            assert math.isclose(a, b, rel_tol=1e-5), (doc, logged, direct)
+        correct.append(max(range(4), key=direct.__getitem__) == doc["answer"])
+    accuracy = sum(correct) / len(correct)
+    assert 0 < accuracy < 1  # a comparison that could fail both ways
+    assert results["lmsys_test_mc"]["acc,none"] == accuracy
+    shortcut = json.loads((root / "shortcut.json").read_text(encoding="utf-8"))
+    assert shortcut["results"]["lmsys_test_mc"]["acc,none"] == accuracy
+
+
+def test_rolling_perplexity_equals_lmsys_eval(harness_runs):
+    root, _ = harness_runs
+    results, samples = _lm_eval_output(root)
+    ours = json.loads((root / "eval.json").read_text(encoding="utf-8"))
+    assert ours["tokens"] > 10 * SEQ and ours["tokens"] % SEQ != 0  # many windows and a partial last one
+    (sample,) = samples["lmsys_test_rolling"]
+    loglikelihood = float(sample["resps"][0][0])
+    assert math.isclose(-loglikelihood, ours["nll"], rel_tol=1e-6)
+    rolling = results["lmsys_test_rolling"]
+    assert math.isclose(rolling["bits_per_byte,none"], ours["bits_per_byte"], rel_tol=1e-6)
+    n_bytes, n_words = len(ROLLING_TEXT.encode("utf-8")), len(re.split(r"\s+", ROLLING_TEXT))
+    assert math.isclose(rolling["byte_perplexity,none"], math.exp(ours["nll"] / n_bytes), rel_tol=1e-6)
+    assert math.isclose(rolling["word_perplexity,none"], math.exp(ours["nll"] / n_words), rel_tol=1e-6)
+
+
+def test_generation_equals_lmsys_generate(harness_runs, random_export):
+    from lmsys.export import load_export
+    from lmsys.generate import generate
+
+    root, _ = harness_runs
+    _, samples = _lm_eval_output(root)
+    model, tok, _ = load_export(random_export)
+    answers = [sample["resps"][0][0] for sample in samples["lmsys_test_gen"]]
+    new = generate(model, [tok.encode(p) for p in PROMPTS], 8, greedy=True, eos_id=tok.eos_id)
+    expected = [re.split("|".join(map(re.escape, UNTIL)), tok.decode(ids))[0] for ids in new]
+    assert answers == expected
+    assert any(answers)
+
+
+def test_the_shortcut_prints_lm_evals_table(harness_runs):
+    _, procs = harness_runs
+    out = procs["shortcut"].stdout
+    assert "lm_eval tasks lmsys_test_mc" in out
+    assert re.search(r"\|lmsys_test_mc\s*\|.*\|acc\s*\|", out), out
+
+
+# ----------------------------------------------------------------------------- in process
+
+
+def _requests(kind: str, args: list[tuple]) -> list[Instance]:
+    return [Instance(request_type=kind, doc={}, arguments=a, idx=0) for a in args]
+
+
+def test_bos_shift_models_roll_like_lmsys_eval(tmp_path, tokenizer_path):
+    """seed_trax (bos_shift): every window starts with bos_shift_id, as in lmsys-eval."""
+    from lmsys.evaluate import evaluate_text
+    from lmsys.export import write_export
+    from lmsys.model import Transformer
+
+    cfg = small_config("seed_trax")
+    torch.manual_seed(6)
+    export = write_export(tmp_path / "trax", cfg, Transformer(cfg).state_dict(), tokenizer_path, {"step": 0})
+    lm = LmsysLM(path=str(export), device="cpu", batch_size=5)
+    texts = [ROLLING_TEXT[:700], "Short.", ROLLING_TEXT[700:1000]]
+    totals = lm.loglikelihood_rolling(_requests("loglikelihood_rolling", [(t,) for t in texts]))
+    for text, total in zip(texts, totals, strict=True):
+        assert math.isclose(-total, evaluate_text(lm.model, lm.tok, text).nll, rel_tol=1e-6)
+
+
+def test_sampled_generation_is_seeded_per_prompt(random_export):
+    lm = LmsysLM(path=str(random_export), device="cpu", batch_size=3, seed=11)
+    settings = {"until": ["\n"], "max_gen_toks": 6, "do_sample": True, "temperature": 0.8, "top_k": 40}
+    answers = lm.generate_until(_requests("generate_until", [(p, settings) for p in PROMPTS]))
+    alone = [lm.generate_until(_requests("generate_until", [(p, settings)]))[0] for p in PROMPTS]
+    assert answers == alone and len(set(answers)) > 1
+
+
+def test_bad_model_args_and_requests_are_one_line_errors(random_export, tmp_path, capsys):
+    from lmsys.evaluate import main
+
+    with pytest.raises(ExportError, match="does not exist"):
+        LmsysLM(path=str(tmp_path / "nope"))
+    with pytest.raises(HarnessError, match=r"unknown model_args pretrained; valid: path"):
+        LmsysLM(path=str(random_export), pretrained="gpt2")
+    with pytest.raises(HarnessError, match="batch_size='auto' is not valid"):
+        LmsysLM(path=str(random_export), batch_size="auto")
+    lm = LmsysLM(path=str(random_export), device="cpu")
+    with pytest.raises(HarnessError, match="num_beams are not supported"):
+        lm.generate_until(_requests("generate_until", [("Return", {"until": ["\n"], "num_beams": 4})]))
+    with pytest.raises(HarnessError, match="continuation of 40 tokens does not fit"):
+        lm._fit([5], list(range(4, 44)))
+    assert main([str(random_export), "harness=no_such_task"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["lmsys-eval: error: lm_eval has no task no_such_task; give include_path=DIR for tasks "
+                   "of your own YAML files"]  # fmt: skip
+
+
+def test_lmsys_is_lm_evals_model_lmsys():
+    """Importing lmsys.harness registers `lmsys` (and keeps lm_eval's own models findable); the
+    entry point pyproject.toml declares for lm_eval's plugin group names the same class."""
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import get_model, model_registry
+
+    assert get_model("lmsys") is LmsysLM and issubclass(LmsysLM, TemplateLM)
+    assert "hf" in model_registry  # registered before lmsys: get_model fills only an empty registry
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    (value,) = project["entry-points"]["lm_eval.models"].values()
+    assert list(project["entry-points"]["lm_eval.models"]) == ["lmsys"]
+    module, _, name = value.partition(":")
+    assert getattr(importlib.import_module(module), name) is LmsysLM
+    assert "lmsys[eval]" in project["optional-dependencies"]["dev"]
+
+
+def test_the_lm_eval_executable_finds_lmsys_where_lm_eval_loads_plugins(tmp_path, random_export):
+    """`lm_eval --model lmsys` itself: lm_eval 0.4.13 loads no plugins (the entry point waits for a
+    release that does), and the installed lmsys must be this checkout's with its entry point."""
+    import lm_eval.api.registry as registry
+
+    installed = [ep for ep in importlib.metadata.entry_points(group="lm_eval.models") if ep.name == "lmsys"]
+    if not hasattr(registry, "load_plugins") or not installed:
+        pytest.skip(f"lm_eval {importlib.metadata.version('lm_eval')} loads no model plugins, or lmsys is "
+                    "installed without its lm_eval.models entry point")  # fmt: skip
+    import subprocess
+
+    tasks = write_tasks(tmp_path / "tasks")
+    executable = str(Path(sys.executable).with_name("lm_eval"))
+    args = ["--model", "lmsys", "--model_args", f"path={random_export}", "--tasks", "lmsys_test_mc",
+            "--include_path", str(tasks), "--limit", "4"]  # fmt: skip
+    proc = subprocess.run([executable, *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "lmsys_test_mc" in proc.stdout, proc.stderr[-3000:]
