@@ -18,10 +18,13 @@ lm_eval's hf model does with the CLI's default cuda:0), dtype (fp32, bf16, fp16)
 (also --batch_size; an integer), max_length (the window, default model.max_seq_len), max_gen_toks
 (256), seed (of each sampled generation, 1234), tokenizer (for a checkpoint, as in lmsys-eval).
 
-The requests, as lm_eval's hf model serves them for a causal LM, so the two give the same numbers
-for the same weights and tokenizer: contexts are encoded without eos (an empty context is eos,
-lm_eval's prefix token), a sequence longer than the window is cut from the left, and a bos_shift
-model also reads its bos_shift_id first (lmsys.model.next_token_pairs).
+The requests are served as lm_eval's hf model serves a causal LM: contexts are encoded without
+eos (an empty context, and a document's first rolling window, start from eos, lm_eval's prefix
+token), a sequence longer than the window is cut from the left, and a bos_shift model also reads
+its bos_shift_id first (lmsys.model.next_token_pairs). So `--model hf` on a format=hf export gives
+the same numbers with its prefix token set to eos (`--model_args pretrained=DIR,prefix_token_id=2`
+for lmsys's SentencePiece ids): by default it takes the tokenizer's bos, which lmsys models never
+saw (documents follow eos in training; with GPT-2's tokenizer bos is eos anyway).
 - loglikelihood: lmsys.scoring.loglikelihoods, batched, each distinct context run once through the
   KV cache for all of its continuations (the choices of a multiple-choice question).
 - loglikelihood_rolling: lm_eval's rolling windows of max_length tokens, each document on its

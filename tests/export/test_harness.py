@@ -1,13 +1,16 @@
-"""lm-evaluation-harness runs lmsys models: lm_eval's real command line (a subprocess) on the
-random-weight export, on three tasks written here (YAML + jsonl, nothing downloaded): a
-multiple-choice task, a rolling-perplexity task and a generation task.
+"""lm-evaluation-harness runs lmsys models: lm_eval's real command line (subprocesses) on a
+random-weight export (format=hf, which both lmsys and transformers load), on three tasks written
+here (YAML + jsonl, nothing downloaded): a multiple-choice task, a rolling-perplexity task and a
+generation task.
 
 - multiple choice: the accuracy equals the one computed here from the model's log-likelihoods
   (one plain forward per choice, as lm_eval's hf model encodes them), and so does each choice's
   log-likelihood;
 - rolling perplexity: the document's log-likelihood, bits per byte, byte and word perplexity equal
   lmsys-eval's on the same text (same windows);
-- generation: each answer is lmsys-generate's greedy continuation, cut at the stop strings.
+- generation: each answer is lmsys-generate's greedy continuation, cut at the stop strings;
+- lm_eval's own hf model on the same directory gives the same numbers and answers (with eos as its
+  prefix token, the document start lmsys models are trained with).
 """
 
 from __future__ import annotations
@@ -81,26 +84,31 @@ def write_tasks(directory: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def harness_runs(tmp_path_factory, random_export):
-    """Side by side: lm_eval's CLI on the three tasks, lmsys-eval on the rolling text, and the
-    `lmsys-eval harness=` shortcut on the multiple-choice task."""
+def harness_runs(tmp_path_factory, hf_export, random_export, tokenizer_path):
+    """Side by side: lm_eval's CLI with the lmsys model and with its hf model on the three tasks,
+    lmsys-eval on the rolling text, and the `lmsys-eval harness=` shortcut on the multiple-choice
+    task (with the lmsys-format export)."""
+    from lmsys.tokenizer import Tokenizer
+
     root = tmp_path_factory.mktemp("harness")
     tasks = write_tasks(root / "tasks")
     text = root / "rolling.txt"
     text.write_text(ROLLING_TEXT, encoding="utf-8")
-    lm_eval_args = ["--model", "lmsys", "--model_args", f"path={random_export}", "--tasks", ",".join(TASKS),
-                    "--include_path", str(tasks), "--batch_size", "4", "--output_path", str(root / "out"),
-                    "--log_samples"]  # fmt: skip
+    common = ["--tasks", ",".join(TASKS), "--include_path", str(tasks), "--batch_size", "4", "--log_samples"]
+    hf_args = f"pretrained={hf_export},dtype=float32,prefix_token_id={Tokenizer(tokenizer_path).eos_id}"
     calls = {
-        "lm_eval": ["lmsys.harness", *lm_eval_args],
-        "lmsys_eval": ["lmsys.evaluate", str(random_export), f"text={text}", f"json={root / 'eval.json'}"],
+        "lmsys": ["lmsys.harness", "--model", "lmsys", "--model_args", f"path={hf_export}", *common,
+                  "--output_path", str(root / "lmsys")],
+        "hf": ["lm_eval", "--model", "hf", "--model_args", hf_args, "--device", "cpu", *common,
+               "--output_path", str(root / "hf")],
+        "lmsys_eval": ["lmsys.evaluate", str(hf_export), f"text={text}", f"json={root / 'eval.json'}"],
         "shortcut": ["lmsys.evaluate", str(random_export), "harness=lmsys_test_mc", f"include_path={tasks}",
                      "batch_size=3", f"json={root / 'shortcut.json'}"],
     }  # fmt: skip
     with pytest.MonkeyPatch.context() as env:  # offline, and datasets' cache inside the test's directory
         env.setenv("HF_DATASETS_OFFLINE", "1")
         env.setenv("HF_DATASETS_CACHE", str(root / "hf_datasets"))
-        procs = run_clis(calls, parallel=3, timeout=300)
+        procs = run_clis(calls, parallel=4, timeout=300)
     for name, proc in procs.items():
         assert proc.returncode == 0, (
             f"{name}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
@@ -108,12 +116,12 @@ def harness_runs(tmp_path_factory, random_export):
     return root, procs
 
 
-def _lm_eval_output(root: Path) -> tuple[dict, dict[str, list[dict]]]:
+def _lm_eval_output(out: Path) -> tuple[dict, dict[str, list[dict]]]:
     """(results, {task: logged samples in document order}) written by lm_eval's --output_path."""
-    (results_file,) = (root / "out").rglob("results_*.json")
+    (results_file,) = out.rglob("results_*.json")
     samples = {}
     for task in TASKS:
-        (path,) = (root / "out").rglob(f"samples_{task}_*.jsonl")
+        (path,) = out.rglob(f"samples_{task}_*.jsonl")
         rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
         samples[task] = sorted(rows, key=lambda row: row["doc_id"])
     return json.loads(results_file.read_text(encoding="utf-8"))["results"], samples
@@ -132,29 +140,35 @@ def _direct_loglikelihood(model, tok, context: str, continuation: str) -> float:
     return sum(float(logp[r, t]) for r, t in zip(rows, continuation_ids, strict=True))
 
 
-def test_multiple_choice_accuracy_equals_the_models_loglikelihoods(harness_runs, random_export):
+def _direct_accuracy(export: Path) -> tuple[float, list[list[float]]]:
+    """(accuracy, each question's choice log-likelihoods) computed here from the model."""
     from lmsys.export import load_export
 
+    model, tok, _ = load_export(export)
+    scores, correct = [], []
+    for doc in _multiple_choice_docs():
+        scores.append([_direct_loglikelihood(model, tok, doc["question"], " " + c) for c in doc["choices"]])
+        correct.append(max(range(4), key=scores[-1].__getitem__) == doc["answer"])
+    return sum(correct) / len(correct), scores
+
+
+def test_multiple_choice_accuracy_equals_the_models_loglikelihoods(harness_runs, hf_export, random_export):
     root, _ = harness_runs
-    results, samples = _lm_eval_output(root)
-    model, tok, _ = load_export(random_export)
-    correct = []
-    for doc, sample in zip(_multiple_choice_docs(), samples["lmsys_test_mc"], strict=True):
-        direct = [_direct_loglikelihood(model, tok, doc["question"], " " + c) for c in doc["choices"]]
+    results, samples = _lm_eval_output(root / "lmsys")
+    accuracy, direct = _direct_accuracy(hf_export)
+    for sample, choices in zip(samples["lmsys_test_mc"], direct, strict=True):
         logged = [float(resp[0][0]) for resp in sample["resps"]]
-        for a, b in zip(logged, direct, strict=True):
-            assert math.isclose(a, b, rel_tol=1e-5), (doc, logged, direct)
-        correct.append(max(range(4), key=direct.__getitem__) == doc["answer"])
-    accuracy = sum(correct) / len(correct)
+        for a, b in zip(logged, choices, strict=True):
+            assert math.isclose(a, b, rel_tol=1e-5), (sample["doc"], logged, choices)
     assert 0 < accuracy < 1  # a comparison that could fail both ways
     assert results["lmsys_test_mc"]["acc,none"] == accuracy
     shortcut = json.loads((root / "shortcut.json").read_text(encoding="utf-8"))
-    assert shortcut["results"]["lmsys_test_mc"]["acc,none"] == accuracy
+    assert shortcut["results"]["lmsys_test_mc"]["acc,none"] == _direct_accuracy(random_export)[0]
 
 
 def test_rolling_perplexity_equals_lmsys_eval(harness_runs):
     root, _ = harness_runs
-    results, samples = _lm_eval_output(root)
+    results, samples = _lm_eval_output(root / "lmsys")
     ours = json.loads((root / "eval.json").read_text(encoding="utf-8"))
     assert ours["tokens"] > 10 * SEQ and ours["tokens"] % SEQ != 0  # many windows and a partial last one
     (sample,) = samples["lmsys_test_rolling"]
@@ -167,18 +181,43 @@ def test_rolling_perplexity_equals_lmsys_eval(harness_runs):
     assert math.isclose(rolling["word_perplexity,none"], math.exp(ours["nll"] / n_words), rel_tol=1e-6)
 
 
-def test_generation_equals_lmsys_generate(harness_runs, random_export):
+def test_generation_equals_lmsys_generate(harness_runs, hf_export):
     from lmsys.export import load_export
     from lmsys.generate import generate
 
     root, _ = harness_runs
-    _, samples = _lm_eval_output(root)
-    model, tok, _ = load_export(random_export)
+    _, samples = _lm_eval_output(root / "lmsys")
+    model, tok, _ = load_export(hf_export)
     answers = [sample["resps"][0][0] for sample in samples["lmsys_test_gen"]]
     new = generate(model, [tok.encode(p) for p in PROMPTS], 8, greedy=True, eos_id=tok.eos_id)
     expected = [re.split("|".join(map(re.escape, UNTIL)), tok.decode(ids))[0] for ids in new]
     assert answers == expected
     assert any(answers)
+
+
+def test_lm_evals_hf_model_gives_the_same_numbers(harness_runs):
+    """transformers' GPT2LMHeadModel and AutoTokenizer on the same directory, through lm_eval's hf
+    model: every log-likelihood (choices, rolling document) and every generated answer agrees."""
+    root, _ = harness_runs
+    (ours, our_samples), (theirs, their_samples) = (
+        _lm_eval_output(root / "lmsys"),
+        _lm_eval_output(root / "hf"),
+    )
+    for task in TASKS:
+        for a, b in zip(our_samples[task], their_samples[task], strict=True):
+            if task == "lmsys_test_gen":
+                assert a["resps"] == b["resps"]
+                continue
+            mine = [float(r[0][0] if isinstance(r[0], list) else r[0]) for r in a["resps"]]
+            hf = [float(r[0][0] if isinstance(r[0], list) else r[0]) for r in b["resps"]]
+            assert all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(mine, hf, strict=True)), (
+                task,
+                mine,
+                hf,
+            )
+    assert ours["lmsys_test_mc"]["acc,none"] == theirs["lmsys_test_mc"]["acc,none"]
+    bits = [r["lmsys_test_rolling"]["bits_per_byte,none"] for r in (ours, theirs)]
+    assert math.isclose(*bits, rel_tol=1e-5)
 
 
 def test_the_shortcut_prints_lm_evals_table(harness_runs):
