@@ -271,11 +271,10 @@ def generate_batch(
     logits = model(ids, cache, mask if padded else None)[:, -1]  # (B, V)
     while True:
         last = logits.float().cpu()  # (B, V): one transfer per step
-        going = [
-            slot
-            for slot, row in enumerate(active)
-            if take(row, next_token(last[slot], sampling, generators[row]))
-        ]
+        going = []  # the batch slots of the rows that go on
+        for slot, row in enumerate(active):
+            if take(row, next_token(last[slot], sampling, generators[row])):
+                going.append(slot)
         if not going:
             return outputs
         if len(going) < len(active):  # finished rows leave: the others' numbers do not depend on them
