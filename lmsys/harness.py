@@ -105,8 +105,9 @@ class LmsysLM(TemplateLM):
         if unknown:
             valid = "path, device, dtype, batch_size, max_length, max_gen_toks, seed, tokenizer"
             raise HarnessError(f"unknown model_args {', '.join(sorted(unknown))}; valid: {valid}")
-        if not path:
-            raise HarnessError("model_args path= is required (an lmsys export directory or checkpoint)")
+        if not path or not Path(path).exists():
+            given = f"path={path} does not exist" if path else "model_args path= is required"
+            raise HarnessError(f"{given} (expected an lmsys export directory or a training checkpoint)")
         self.path, self.batch_size = str(path), _batch_size(batch_size)
         self._device = _device(device)
         self.model, self.tok, self.meta = load_model(path, self._device, resolve_dtype(dtype), tokenizer)

@@ -27,7 +27,6 @@ import tomllib
 import torch
 from lm_eval.api.instance import Instance
 
-from lmsys.errors import ExportError
 from lmsys.harness import HarnessError, LmsysLM
 from tests.export.conftest import REPO_ROOT, SEQ, run_clis, small_config
 from tests.export.test_evaluate import held_out_text
@@ -261,8 +260,10 @@ def test_sampled_generation_is_seeded_per_prompt(random_export):
 def test_bad_model_args_and_requests_are_one_line_errors(random_export, tmp_path, capsys):
     from lmsys.evaluate import main
 
-    with pytest.raises(ExportError, match="does not exist"):
+    with pytest.raises(HarnessError, match=r"path=\S+nope does not exist \(expected an lmsys export"):
         LmsysLM(path=str(tmp_path / "nope"))
+    with pytest.raises(HarnessError, match="model_args path= is required"):
+        LmsysLM()
     with pytest.raises(HarnessError, match=r"unknown model_args pretrained; valid: path"):
         LmsysLM(path=str(random_export), pretrained="gpt2")
     with pytest.raises(HarnessError, match="batch_size='auto' is not valid"):
