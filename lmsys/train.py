@@ -43,8 +43,8 @@ from lmsys import checkpoint as ckpt
 from lmsys import engine as eng
 from lmsys import rundir
 from lmsys.cli import report_error, run_cli
-from lmsys.config import CONF_DIR, Config, compose, config_groups, config_to_dict, flatten_dict, to_config
-from lmsys.console import Console
+from lmsys.config import CONF_DIR, Config, compose, config_to_dict, to_config
+from lmsys.console import Console, StepReport
 from lmsys.data import Batch, TokenLoader
 from lmsys.errors import ConfigError, LmsysError, TrainingError
 from lmsys.export import initial_model
@@ -61,7 +61,14 @@ from lmsys.runtime import (
     seed_everything,
 )
 from lmsys.shards import PreparedData
-from lmsys.sweep.multirun import check_multirun, in_multirun, multirun_defaults, shared_sweep_dir
+from lmsys.sweep.multirun import (
+    check_multirun,
+    in_multirun,
+    job_header,
+    multirun_defaults,
+    shared_sweep_dir,
+)
+from lmsys.train_help import usage
 
 PROG = "lmsys-train"
 
@@ -143,6 +150,18 @@ def agree_on_run(cfg: Config, setup: Setup, tokenizer_sha256: str, console: Cons
     return box[0]
 
 
+def schedule_horizon(cfg: Config, resume: ckpt.Checkpoint | None) -> int:
+    """The step where the learning rate's cosine ends: optim.decay_steps when set, else the
+    horizon the resumed run was trained with (so raising trainer.max_steps extends the run
+    without changing the learning rates it already had), else trainer.max_steps."""
+    if cfg.optim.decay_steps:
+        return cfg.optim.decay_steps
+    if resume is not None:
+        saved = resume.state.config
+        return int(saved.get("optim", {}).get("decay_steps") or saved["trainer"]["max_steps"])
+    return cfg.trainer.max_steps
+
+
 # ----------------------------------------------------------------------------- the trainer
 
 
@@ -160,15 +179,18 @@ class Trainer:
 
     def __init__(self, cfg: Config, setup: Setup, data: PreparedData, run: RunPlan, console: Console):
         t, plan = cfg.trainer, setup.plan
+        cfg = replace(cfg, optim=replace(cfg.optim, decay_steps=schedule_horizon(cfg, run.resume)))
         self.cfg, self.setup, self.run_dir, self.console = cfg, setup, run.run_dir, console
         seed_everything(t.seed)  # identical initialisation on every rank
         model = self._first_model(data, run)
         self.n_params = model.num_parameters()
         self.flops_per_token = model.flops_per_token(plan.seq_len)
         self.peak_flops = device_peak_flops(setup.device)  # per device; None on CPU: no MFU
+        started = time.perf_counter()
         self.engine, self.engine_info, self.ds_json = eng.initialize(
             model, cfg, plan, setup.device, setup.precision
         )
+        self.engine_seconds = time.perf_counter() - started
         self.loader = TokenLoader(
             data,
             "train",
@@ -228,6 +250,26 @@ class Trainer:
             wandb_id=saved.wandb_id,
         )
         self.console.say(f"{PROG}: resumed from {found.tag_dir} (step {saved.step})")
+        self._say_extension(saved)
+
+    def _say_extension(self, saved: ckpt.TrainState) -> None:
+        """What a resume continues: the rest of the run, or more steps than it was started with."""
+        before = int(saved.config["trainer"]["max_steps"])
+        now, horizon = self.cfg.trainer.max_steps, self.cfg.optim.decay_steps
+        if now <= saved.step or now == before:
+            return
+        if now < before:
+            self.console.say(f"{PROG}: trainer.max_steps lowered from {before} to {now}")
+            return
+        if horizon >= now:
+            plan = f"its cosine ends at step {horizon} (optim.decay_steps)"
+        else:
+            floor = self.cfg.optim.lr * self.cfg.optim.min_lr_ratio
+            plan = (
+                f"the learning rate keeps its schedule: cosine to step {horizon}, then {floor:.2e} to "
+                f"the end (optim.decay_steps={now} stretches the cosine over all {now} steps)"
+            )
+        self.console.say(f"{PROG}: trainer.max_steps extended from {before} to {now}; {plan}")
 
     def open_run_dir(self) -> None:
         """Only now, with the checkpoint and loader state accepted, does the run directory change
@@ -275,8 +317,19 @@ class Trainer:
             f"{PROG}: ZeRO stage {info.stage}, world size {setup.world_size}, "
             f"device {device_name(setup.device)}, {setup.precision}, {info.optimizer}"
             + "".join(text for on, text in extras if on)
-            + f"\n{PROG}: steps {self.start_step + 1}..{cfg.trainer.max_steps}, run directory {self.run_dir}"
+            + f" (ready in {self.engine_seconds:.1f} s)"
+            + f"\n{PROG}: {self._steps_planned()}, run directory {self.run_dir}"
+            + f"\n{PROG}: validation every {cfg.trainer.eval_interval} steps on {self.val_coverage()}"
+            + ("" if cfg.trainer.eval_batches == 0 else " (trainer.eval_batches=0: the whole split)")
         )
+        if self.logger is not None:
+            self.console.say(f"{PROG}: {self.logger.wandb_line()}")
+
+    def _steps_planned(self) -> str:
+        first, last = self.start_step + 1, self.cfg.trainer.max_steps
+        if first > last:
+            return f"no steps to run: the checkpoint is at step {self.start_step} (trainer.max_steps={last})"
+        return f"steps {first}..{last}"
 
     # -- one optimizer step -------------------------------------------------------------------
 
@@ -352,13 +405,14 @@ class Trainer:
         if result.outcome.applied and not self.stats_written:
             self._write_engine_stats()
         tokens_per_s = plan.tokens_per_step / result.seconds
+        utilisation = mfu(self.flops_per_token, tokens_per_s, self.peak_flops, plan.world_size)
         if self.logger is not None:
             values = {
                 "loss": result.loss,
                 "lr": result.lr,
                 "grad_norm": result.outcome.grad_norm,
                 "tokens_per_s": tokens_per_s,
-                "mfu": mfu(self.flops_per_token, tokens_per_s, self.peak_flops, plan.world_size),
+                "mfu": utilisation,
                 "step_time_s": result.seconds,
                 # wall time since this launch's first step began, logging of earlier steps
                 # included: differences give the loop's true per-step cost (lmsys.bench train)
@@ -378,7 +432,19 @@ class Trainer:
                 f"{t.max_nan_skips}; stopping at step {result.step} (lower optim.lr or raise "
                 f"optim.warmup_steps; checkpoints in {self.run_dir / rundir.CHECKPOINTS})"
             )
-        self.console.step_done(result.loss, tokens_per_s)
+        self.console.step_done(
+            StepReport(
+                step=result.step,
+                max_steps=t.max_steps,
+                loss=result.loss,
+                lr=result.lr,
+                grad_norm=result.outcome.grad_norm,
+                tokens_per_s=tokens_per_s,
+                mfu=utilisation,
+                elapsed_s=elapsed_s,
+                steps_done=result.step - self.start_step,
+            )
+        )
 
     def _write_engine_stats(self) -> None:
         """What each rank holds (after the first applied step: Adam's state exists from then on)."""
@@ -389,17 +455,24 @@ class Trainer:
             stats = {"engine": self.engine_info.as_dict(), "ranks": gathered}
             rundir.write_json(self.run_dir, rundir.ENGINE_STATS_FILE, stats)
 
+    def val_coverage(self) -> str:
+        """`all 240 val sequences` or `224 of 240 val sequences`."""
+        covered, total = self.loader.val_coverage(self.cfg.trainer.eval_batches)
+        return f"all {total} val sequences" if covered == total else f"{covered} of {total} val sequences"
+
     def evaluate(self) -> float:
-        """The weighted mean loss on trainer.eval_batches validation micro-batches of every rank."""
+        """The weighted mean loss on trainer.eval_batches validation micro-batches of every rank
+        (0: the whole validation split)."""
         engine, device = self.engine, self.setup.device
         engine.eval()
         total = torch.zeros(2, dtype=torch.float64, device=device)  # (weighted loss, weight)
         with torch.no_grad():
             for batch in self.loader.val_batches(self.cfg.trainer.eval_batches):
                 weight = self._prediction_weight(batch)
-                loss = engine(batch.tokens.to(device), batch.weights.to(device))
-                total[0] += loss.double() * weight
-                total[1] += weight
+                loss = engine(batch.tokens.to(device), batch.weights.to(device))  # every rank runs it
+                if weight > 0:  # the whole split's last round may hold only weight-0 filler rows
+                    total[0] += loss.double() * weight
+                    total[1] += weight
         dist.all_reduce(total)
         engine.train()
         return (total[0] / total[1]).item() if total[1].item() > 0 else float("nan")
@@ -408,13 +481,15 @@ class Trainer:
         self.last_val = self.evaluate()
         if self.logger is not None:
             self.logger.log("eval", step, {"loss": self.last_val, "ppl": math.exp(min(self.last_val, 80.0))})
-        self.console.say(f"{PROG}: step {step}: train loss {train_loss:.4f}, val loss {self.last_val:.4f}")
+        self.console.eval_done(step, train_loss, self.last_val, self.val_coverage())
 
     def save(self) -> None:
         rank_state = {"loader": self.loader.state_dict(), "rng": ckpt.rng_state()}
         keep_last = self.cfg.trainer.keep_last
-        ckpt.save(self.engine, self.run_dir, self.state, rank_state, self.setup.rank, keep_last)
+        start = time.perf_counter()
+        path = ckpt.save(self.engine, self.run_dir, self.state, rank_state, self.setup.rank, keep_last)
         self.saved_step = self.state.step
+        self.console.say(f"{PROG}: saved checkpoint {path} ({time.perf_counter() - start:.1f} s)")
 
     def _debug_faults(self, step: int) -> None:
         """trainer.debug_*: slow every step down, or make the last rank die (first attempt only)."""
@@ -461,6 +536,7 @@ class Trainer:
 
     def _finish(self, elapsed: float) -> None:
         t = self.cfg.trainer
+        wandb_line = self.logger.wandb_line() if self.logger is not None else ""
         if self.logger is not None:
             self.logger.summary(
                 {
@@ -486,6 +562,8 @@ class Trainer:
                 f"loss {first} -> {last}{val}"
             )
         self.console.say(f"{PROG}: run directory: {self.run_dir.resolve()}")
+        if wandb_line:
+            self.console.say(f"{PROG}: {wandb_line}")
         dist.barrier()
 
 
@@ -494,8 +572,13 @@ def train(cfg: Config, step_hook: Callable[[int], None] | None = None) -> Path:
 
     step_hook(step), if given, runs at the end of every step (see `Trainer.fit`)."""
     data = open_data(cfg)  # every mistake in the data is reported before the process group forms
+    rank = int(os.environ.get("RANK", "0"))  # torchrun's; the process group forms in resolve_setup
+    console = Console(PROG, rank, cfg.trainer.progress, cfg.logger.console_interval)
+    console.say(
+        f"{PROG}: starting: process group, model, DeepSpeed engine (a first run on a machine also "
+        "builds DeepSpeed's ops: a minute or two)"
+    )
     setup = resolve_setup(cfg)
-    console = Console(PROG, setup.rank, cfg.trainer.progress)
     run = agree_on_run(cfg, setup, data.tokenizer_sha256, console)
     trainer = Trainer(cfg, setup, data, run, console)
     trainer.open_run_dir()
@@ -505,64 +588,6 @@ def train(cfg: Config, step_hook: Callable[[int], None] | None = None) -> Path:
 
 # ----------------------------------------------------------------------------- entry points
 
-# The keys most runs set, with one line each (every key: lmsys/config.py and conf/).
-KEY_HELP = [
-    ("trainer.max_steps", "optimizer steps to train"),
-    ("trainer.global_batch_tokens", "tokens per optimizer step over all ranks (accumulation is derived)"),
-    ("trainer.micro_batch_size", "sequences per rank per forward"),
-    ("trainer.run_dir", "the run's directory (null: runs/<model.name>-<time>)"),
-    ("trainer.resume", "auto | never | a checkpoint or run directory to continue from"),
-    ("trainer.eval_interval", "steps between validations"),
-    ("trainer.save_interval", "steps between checkpoints"),
-    ("trainer.keep_last", "checkpoints kept"),
-    ("trainer.device", "auto | cpu | cuda"),
-    ("optim.lr", "peak learning rate (linear warmup, then cosine decay)"),
-    ("optim.warmup_steps", "steps of linear warmup"),
-    ("data.dir", "prepared data (lmsys-prepare writes it)"),
-    ("data.seq_len", "positions per training sequence"),
-    ("deepspeed.stage", "ZeRO stage: 0 (replicated) to 3 (parameters sharded)"),
-    ("deepspeed.precision", "auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16"),
-    ("model.kernels", "auto (Triton on CUDA) | triton | torch"),
-    ("logger.wandb", "offline | online (needs WANDB_API_KEY) | disabled"),
-]
-
-EXAMPLES = """\
-examples:
-  python -m lmsys.prepare                                          # once: data/default
-  python -m lmsys.train trainer.max_steps=50                       # one process
-  torchrun --standalone --nproc_per_node=2 -m lmsys.train deepspeed=zero3 model=seed_trax
-  python -m launch.torchrun --nproc 8 -- model=gpt2_124m trainer=gpt2 optim=gpt2
-  lmsys-train -m optim.lr=1e-3,3e-4 model=tiny,seed_gpt            # a sweep: one job each
-  lmsys-train --cfg job model=gpt2_124m                            # print the composed config"""
-
-
-def usage(overrides: list[str]) -> str:
-    """lmsys-train --help: what it does, the config groups, the most used keys and their values
-    under `overrides` (`lmsys-train model=gpt2_124m --help` shows that preset's)."""
-    defaults = flatten_dict(config_to_dict(compose(overrides)))
-    lines = [
-        f"usage: {PROG} [group=choice ...] [key=value ...]     (or -m ... for a sweep)",
-        "",
-        (__doc__ or "").split("\n\n")[0].strip(),
-        "",
-        "config groups (group=choice; * marks the default):",
-    ]
-    for group, (choices, default) in config_groups().items():
-        marked = ", ".join(f"{c}*" if c == default else c for c in choices)
-        lines.append(f"  {group:<16}{marked}")
-    lines += ["", "most used keys (key=value; the value it has now in brackets):"]
-    for key, text in KEY_HELP:
-        value = defaults.get(key)
-        shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
-        lines.append(f"  {key:<30}{text} [{shown}]")
-    lines += [
-        "",
-        EXAMPLES,
-        "",
-        "Hydra's own flags: --cfg job, --info, --hydra-help. A mistake is one line on stderr, exit 2.",
-    ]
-    return "\n".join(lines)
-
 
 # An absolute config path: the task may run as `lmsys.train` (the lmsys-train console script,
 # submitit workers), where a relative one would be looked up as a Python package.
@@ -570,6 +595,9 @@ def usage(overrides: list[str]) -> str:
 def _hydra_task(dcfg: DictConfig) -> None:
     """A job of `lmsys-train -m` (or a run with Hydra's own flags)."""
     multirun_defaults(dcfg)  # `-m`: run_dir <sweep dir>/<job number>, W&B group = the sweep's name
+    header = job_header(dcfg)
+    if header and os.environ.get("RANK", "0") == "0":
+        print(f"{PROG}: {header}", flush=True)
     try:
         train(to_config(dcfg))
     except LmsysError as exc:
@@ -611,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def show_help() -> int:
-        print(usage([a for a in argv if not a.startswith("-")]))
+        print(usage(PROG, __doc__ or "", [a for a in argv if not a.startswith("-")]))
         return 0
 
     def plain_run() -> int:
