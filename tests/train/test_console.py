@@ -111,3 +111,12 @@ def test_extending_max_steps_keeps_the_schedule(runs, tmp_path):
     again = run_train("again", 1, [*overrides, "trainer.max_steps=9"], run_dir, cwd=tmp_path).check()
     assert "no steps to run: the checkpoint is at step 9 (trainer.max_steps=9)" in again.stdout
     assert "steps 10..9" not in again.stdout
+
+
+def test_sweep_jobs_get_a_header(runs):
+    run = runs.get("2proc-zero0").check()  # one `-m deepspeed=zero0,zero1,zero2,zero3` launch
+    headers = [line for line in run.stdout.splitlines() if line.startswith("lmsys-train: sweep job ")]
+    assert len(headers) == 4, run.stdout  # rank 0 only
+    for number, line in enumerate(headers):
+        assert line.startswith(f"lmsys-train: sweep job {number}: ")
+        assert f"deepspeed=zero{number}" in line and line.endswith(f"/2proc-zero{number}")
