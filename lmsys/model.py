@@ -426,9 +426,7 @@ class Transformer(nn.Module):
         if pos is not None:
             x = x + pos.to(x.dtype)
         for layer, block in enumerate(self.blocks):
-            # the mask goes in only with padding: training calls the three-argument form, which
-            # engine.apply_activation_checkpointing wraps
-            x = block(x, cache, layer) if key_mask is None else block(x, cache, layer, key_mask)
+            x = block(x, cache, layer, key_mask)
         if self.final_norm is not None:
             x = self.final_norm(x)
         if cache is not None:
