@@ -191,6 +191,9 @@ class TrainerConfig:
     max_nan_skips: int = 5
     device: str = "auto"  # auto | cpu | cuda
     progress: bool = True
+    # torch.compile the model: auto (on CUDA; eager elsewhere, and eager if compiling fails), true
+    # (a failure is an error), false (eager)
+    compile: str = "auto"
     dist_timeout_s: float = 600.0  # collective timeout: a dead or hung rank brings the job down
     # Fault injection for tests (leave empty in real runs): make the loss NaN at these steps,
     # sleep this long after every step, make the last rank exit at this step on a first attempt.
@@ -346,6 +349,10 @@ def validate(cfg: Config) -> Config:
     _require(t.save_interval >= 1, f"trainer.save_interval={t.save_interval} must be >= 1")
     _require(t.max_nan_skips >= 0, f"trainer.max_nan_skips={t.max_nan_skips} must be >= 0")
     _require(t.dist_timeout_s > 0, f"trainer.dist_timeout_s={t.dist_timeout_s} must be > 0")
+    _require(
+        str(t.compile).lower() in ("auto", "true", "false"),
+        f"trainer.compile={t.compile} is not valid; choose one of: auto, true, false",
+    )
     _require(bool(t.resume), "trainer.resume must be auto, never or a checkpoint directory")
     _require(
         ds.param_persistence_threshold >= 0,

@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from lmsys.compiling import compile_module, parse_compile, wants_compile
 from lmsys.config import Config, OptimConfig
 from lmsys.errors import CheckpointError
 from lmsys.runtime import BatchPlan
@@ -280,6 +281,8 @@ class EngineInfo:
     activation_checkpointing: bool
     offload_optimizer: bool
     offload_param: bool
+    compiled: bool = False  # torch.compile (trainer.compile)
+    compile_strict: bool = False  # trainer.compile=true: a compile failure is an error
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -300,6 +303,10 @@ def initialize(
     if cfg.deepspeed.activation_checkpointing:
         apply_activation_checkpointing(model)
     module = LossModule(model)
+    compile_choice = parse_compile(cfg.trainer.compile)
+    compiled = wants_compile(compile_choice, device)
+    if compiled:  # before DeepSpeed wraps it: the engine calls the compiled forward
+        compile_module(module, strict=compile_choice == "true")
     client_opt, opt_section, groups, opt_kind = build_optimizer(model, cfg, device)
     ds_config = deepspeed_config(cfg, plan, device, precision, opt_section)
     engine, _, _, _ = deepspeed.initialize(
@@ -318,6 +325,8 @@ def initialize(
         activation_checkpointing=cfg.deepspeed.activation_checkpointing,
         offload_optimizer=cfg.deepspeed.offload_optimizer,
         offload_param=cfg.deepspeed.offload_param,
+        compiled=compiled,
+        compile_strict=compile_choice == "true",
     )
     return engine, info, ds_config
 

@@ -2,8 +2,9 @@
 
 `kernels` is the model's config value: "auto" runs Triton for CUDA tensors and torch elsewhere
 (the CPU default), "triton" forces the kernels (on CPU through the Triton interpreter, which is
-how CI tests the wiring), "torch" forces the references. The kernels are imported lazily so a
-CPU-only user never pays for a Triton import.
+how CI tests the wiring), "torch" forces the references. The kernels are called through their
+torch custom ops (kernels/library.py: `torch.ops.lmsys.*`), so torch.compile traces through
+them; the kernel modules are imported lazily so a CPU-only user never pays for a Triton import.
 
 Entry points call `prepare_kernels(kernels, device)` once, before anything imports triton: it
 selects the Triton CPU interpreter when "triton" is asked for without CUDA, so that a user never
@@ -139,9 +140,9 @@ def attention(
         return matrix_softmax_attention(q, k, v, causal=causal, scale=scale)
     same_length = q.shape[2] == k.shape[2]
     if same_length and use_triton(q, kernels):
-        from kernels.flash_attention import flash_attention  # imports triton: when a kernel runs
+        from kernels.library import flash_attention  # the custom op (torch.compile traces it)
 
-        return flash_attention(q, k, v, causal=causal, scale=scale)
+        return flash_attention(q, k, v, causal, scale)
     if causal and q.shape[2] == 1:  # one query after its cache sees every key: no mask, fast path
         return F.scaled_dot_product_attention(q, k, v, scale=scale)
     if causal and not same_length:
@@ -208,9 +209,9 @@ def layer_norm(
     if formula == "none":
         return x
     if use_triton(x, kernels):
-        from kernels.layer_norm import layer_norm as triton_layer_norm  # imports triton: module docstring
+        from kernels.library import layer_norm as triton_layer_norm  # the custom op: module docstring
 
-        return triton_layer_norm(x, weight, bias, eps=eps, formula=formula)
+        return triton_layer_norm(x, weight, bias, eps, formula)
     return layer_norm_reference(x, weight, bias, eps, formula)
 
 
@@ -229,7 +230,7 @@ def add_layer_norm(
         summed = x + residual
         return summed, summed
     if use_triton(x, kernels):
-        from kernels.layer_norm import add_layer_norm as fused  # imports triton: module docstring
+        from kernels.library import add_layer_norm as fused  # the custom op: module docstring
 
-        return fused(x, residual, weight, bias, eps=eps, formula=formula)
+        return fused(x, residual, weight, bias, eps, formula)
     return add_layer_norm_reference(x, residual, weight, bias, eps, formula)

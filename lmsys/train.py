@@ -43,6 +43,7 @@ from lmsys import checkpoint as ckpt
 from lmsys import engine as eng
 from lmsys import rundir
 from lmsys.cli import report_error, run_cli
+from lmsys.compiling import compile_summary, say_first_compile
 from lmsys.config import CONF_DIR, Config, compose, config_to_dict, to_config
 from lmsys.console import Console, StepReport
 from lmsys.data import Batch, TokenLoader
@@ -404,6 +405,8 @@ class Trainer:
             self.first_loss = result.loss if self.first_loss is None else self.first_loss
         if result.outcome.applied and not self.stats_written:
             self._write_engine_stats()
+        if self.engine_info.compiled and result.step == self.start_step + 1:
+            say_first_compile(self.console, result.seconds)
         tokens_per_s = plan.tokens_per_step / result.seconds
         utilisation = mfu(self.flops_per_token, tokens_per_s, self.peak_flops, plan.world_size)
         if self.logger is not None:
@@ -516,7 +519,9 @@ class Trainer:
         try:
             with self.console.progress(total=t.max_steps, initial=self.start_step):
                 for step in range(self.start_step + 1, t.max_steps + 1):
-                    result = self.train_step(step)
+                    result = (
+                        self._compiled_step(step) if step == self.start_step + 1 else self.train_step(step)
+                    )
                     self.record(result, time.perf_counter() - started)
                     if step % t.eval_interval == 0 or step == t.max_steps:
                         self.evaluate_and_log(step, result.loss)
@@ -561,6 +566,8 @@ class Trainer:
                 f"{PROG}: done: steps {self.start_step + 1}..{t.max_steps} in {elapsed:.1f} s, "
                 f"loss {first} -> {last}{val}"
             )
+        if self.engine_info.compiled:
+            self.console.say(f"{PROG}: {compile_summary()}")
         self.console.say(f"{PROG}: run directory: {self.run_dir.resolve()}")
         if wandb_line:
             self.console.say(f"{PROG}: {wandb_line}")

@@ -25,6 +25,7 @@ KEY_HELP = [
     ("deepspeed.stage", "ZeRO stage: 0 (replicated) to 3 (parameters sharded)"),
     ("deepspeed.precision", "auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16"),
     ("model.kernels", "auto (Triton on CUDA) | triton | torch"),
+    ("trainer.compile", "torch.compile the model: auto (on CUDA) | true | false"),
     ("logger.wandb", "offline | online (needs WANDB_API_KEY) | disabled"),
     ("logger.console_interval", "steps between progress lines in a log file (no terminal)"),
     ("trainer.progress", "the progress bar in a terminal (false: progress lines instead)"),

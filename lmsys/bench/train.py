@@ -21,6 +21,10 @@ On a GPU the plain loop is also run, after the interleaved part, as production-s
 fused AdamW; tokens/s and MFU (6N + 12LHdT FLOPs per token against the device's dense bf16
 peak) are printed for each. The eager plain loop on a GPU uses bf16 autocast and fused AdamW.
 
+`compile=true` runs lmsys a second time with trainer.compile=true (inductor), again interleaved
+with a plain eager loop of its own, and prints eager / compiled lmsys step time (the first steps,
+which compile, are the untimed warm-up).
+
 The options below are key=value; every other argument is a Hydra override of the training
 config. threads=0 means 1 thread, what torchrun gives each worker of the main job (one thread also
 keeps a shared machine's load from stalling OpenMP barriers); compiled=true on CPU needs a C++
@@ -68,6 +72,9 @@ OPTIONS = [
     Option("compiled", "choice", "auto", "also time a torch.compile + SDPA loop (auto: on CUDA only)",
            ("auto", "true", "false")),
     Option("threads", "int", 0, "CPU threads (0: 1)"),
+    Option("compile", "choice", "false",
+           "also run lmsys with trainer.compile=true (its own interleaved plain loop) and print "
+           "compiled / eager step time", ("true", "false")),
 ]  # fmt: skip
 # GPT-2 small at T=1024 (its max_seq_len), 16 sequences per step, no accumulation.
 GPU_DEFAULTS = ["model=gpt2_124m", "trainer.micro_batch_size=16", "trainer.global_batch_tokens=16384"]
@@ -270,6 +277,16 @@ def bench_config(opts: dict[str, Any], overrides: list[str], scratch: Path, devi
     return validate(replace(cfg, data=replace(cfg.data, dir=str(data_dir)), trainer=trainer))
 
 
+def _interleaved_train(
+    cfg: Any, plain: PlainLoop, device: torch.device, warmup: int, steps: int
+) -> Interleave:
+    """lmsys.train.train on `cfg`, one plain step after each of its steps; the hook's timings."""
+    hook = Interleave(plain, device, warmup, steps)
+    with contextlib.redirect_stdout(io.StringIO()):  # train's own lines; the report is ours
+        train(cfg, step_hook=hook)
+    return hook
+
+
 def run(opts: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     choice = next((o.split("=", 1)[1] for o in overrides if o.startswith("trainer.device=")), "auto")
     device = resolve_device(choice, key="trainer.device")
@@ -284,15 +301,19 @@ def run(opts: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
         plain = PlainLoop(cfg, device)
         n_params = plain.model.num_parameters()
         flops_per_token = plain.model.flops_per_token(plan.seq_len)
-        hook = Interleave(plain, device, warmup, steps)
-        banner = io.StringIO()
-        with contextlib.redirect_stdout(banner):  # train's own lines; the report is ours
-            train(cfg, step_hook=hook)
+        hook = _interleaved_train(cfg, plain, device, warmup, steps)
         del plain
         timings = [
             Timing("plain PyTorch loop", hook.plain_times, plan.tokens_per_step),
             Timing("lmsys (DeepSpeed)", hook.lmsys_times, plan.tokens_per_step),
         ]
+        compiled_lmsys = None
+        if opts["compile"] == "true":  # the same run with trainer.compile=true, against its own plain loop
+            ccfg = bench_config(opts, [*overrides, "trainer.compile=true"], Path(tmp) / "compiled", device)
+            chook = _interleaved_train(ccfg, PlainLoop(ccfg, device), device, warmup, steps)
+            compiled_lmsys = Timing("lmsys, trainer.compile=true", chook.lmsys_times, plan.tokens_per_step)
+            compiled_plain = Timing("plain loop beside it", chook.plain_times, plan.tokens_per_step)
+            timings += [compiled_lmsys, compiled_plain]
         compiled = opts["compiled"] == "true" or (opts["compiled"] == "auto" and device.type == "cuda")
         if compiled:
             loop = PlainLoop(cfg, device, compiled=True)
@@ -311,7 +332,14 @@ def run(opts: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
         "mfu": {t.name: mfu(flops_per_token, t.tokens_per_s, peak, 1) for t in timings},
         "ratio": timings[1].step_s / timings[0].step_s,
         "best_ratio": timings[1].best_s / timings[0].best_s,
-        "compiled_ratio": timings[1].step_s / timings[2].step_s if compiled else None,
+        "compiled_ratio": timings[1].step_s / timings[-1].step_s if compiled else None,
+        # eager lmsys step time / compiled lmsys step time (> 1: compiling is faster), and the same
+        # with each normalised by the plain loop interleaved with it (the machine's load then)
+        "compile_speedup": timings[1].step_s / compiled_lmsys.step_s if compiled_lmsys else None,
+        "compile_speedup_normalised": (timings[1].step_s / timings[0].step_s)
+        / (compiled_lmsys.step_s / timings[3].step_s)
+        if compiled_lmsys
+        else None,
     }
 
 
@@ -335,6 +363,12 @@ def report(r: dict[str, Any]) -> str:
     )
     if r["compiled_ratio"] is not None:
         lines.append(f"  ratio lmsys/compiled {r['compiled_ratio']:.3f}")
+    if r["compile_speedup"] is not None:
+        lines.append(
+            f"  trainer.compile=true: eager/compiled lmsys step time {r['compile_speedup']:.3f} "
+            f"(> 1: compiled faster; each against its interleaved plain loop: "
+            f"{r['compile_speedup_normalised']:.3f})"
+        )
     return "\n".join(lines)
 
 

@@ -186,6 +186,11 @@ LAUNCHES: dict[str, Launch] = {
         "2proc-zero3-accum2-actckpt-${model.name}",
     ),
 }
+# torch.compile (inductor) on 2 ranks at ZeRO-2, against the eager 2proc-zero2 run
+LAUNCHES["compiled"] = Launch(
+    2, ("deepspeed=zero2", "trainer.micro_batch_size=4", "trainer.compile=true"), ("2proc-zero2-compiled",),
+    "2proc-zero2-compiled",
+)  # fmt: skip
 CASES = {case: launch for launch, spec in LAUNCHES.items() for case in spec.cases}
 
 

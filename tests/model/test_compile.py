@@ -1,0 +1,132 @@
+"""torch.compile (#14): the Triton kernels' custom ops pass torch.library.opcheck, every preset's
+forward and loss trace into one graph with no graph break, compiled equals eager, and a compiled
+module does not recompile for another batch of the same shape.
+
+Tolerances: the "aot_eager" backend runs the captured graph's aten ops as eager does, so logits
+and gradients agree to 1e-6; inductor (tiny, fp32) fuses and reorders reductions: 1e-5 absolute,
+1e-4 relative. Inductor on a CPU builds C++ (tens of seconds per graph), so it compiles one model;
+every preset goes through dynamo and AOTAutograd, which is what inductor is handed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import library
+from lmsys.compiling import compile_stats
+from lmsys.config import compose_model
+from lmsys.model import Transformer
+from tests.conftest import DEVICE
+
+SMALL = ["vocab_size=37", "d_model=32", "n_heads=2", "n_layers=2", "max_seq_len=24", "ffn.d_ff=48"]
+PRESETS = ["seed_gpt", "seed_trax", "seed_postln", "seed_compact", "gpt2_124m", "tiny"]
+
+
+def small_model(preset: str, extra: list[str] | None = None) -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(compose_model(preset, SMALL + (extra or []))).to(DEVICE)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # away from the initialisation, so that no gradient is trivially 0
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen).to(DEVICE))
+    return model
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return torch.randint(0, 37, (2, 17), generator=gen).to(DEVICE), torch.rand(2, 17, generator=gen).to(
+        DEVICE
+    )
+
+
+def test_custom_ops_pass_opcheck() -> None:
+    """Schema, fake implementation, autograd registration and AOT dispatch of every op, on CPU
+    tensors through the Triton interpreter (tests/conftest.py)."""
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(DEVICE).requires_grad_()
+
+    q, k, v = rand(1, 2, 16, 16), rand(1, 2, 16, 16), rand(1, 2, 16, 8)
+    for causal in (True, False):
+        torch.library.opcheck(library.flash_attention_fwd, (q, k, v, causal, 0.25))
+    x, residual, weight, bias = rand(3, 5, 32), rand(3, 5, 32), rand(32), rand(32)
+    for formula in ("sqrt_var_eps", "std_plus_eps", "exact"):
+        torch.library.opcheck(library.layer_norm_fwd, (x, weight, bias, 1e-5, formula))
+    torch.library.opcheck(library.layer_norm_fwd, (x, None, None, 1e-5, "sqrt_var_eps"))
+    torch.library.opcheck(library.add_layer_norm_fwd, (x, residual, weight, bias, 1e-5, "sqrt_var_eps"))
+
+
+def _explain(fn, *args):
+    torch._dynamo.reset()
+    return torch._dynamo.explain(fn)(*args)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_forward_and_loss_have_no_graph_break(preset: str) -> None:
+    model = small_model(preset, ["kernels=torch"])
+    tokens, weights = batch()
+    for what, out in (("forward", _explain(model, tokens)), ("loss", _explain(model.loss, tokens, weights))):
+        assert out.graph_break_count == 0 and out.graph_count == 1, (preset, what, out.break_reasons)
+
+
+def test_the_triton_kernels_trace_without_a_graph_break() -> None:
+    """model.kernels=triton: attention and the norms are the custom ops, not Python launches."""
+    model = small_model("gpt2_124m", ["kernels=triton"])
+    tokens, weights = batch()
+    out = _explain(model.loss, tokens, weights)
+    assert out.graph_break_count == 0 and out.graph_count == 1, out.break_reasons
+    ops = {str(node.target) for graph in out.graphs for node in graph.graph.nodes}
+    assert "lmsys.flash_attention_fwd.default" in ops or any("flash_attention" in op for op in ops), ops
+
+
+def _loss_and_grads(model, loss_fn, tokens, weights):
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(tokens, weights)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _assert_agree(got, want, atol: float, rtol: float) -> None:
+    torch.testing.assert_close(got[0], want[0], atol=atol, rtol=rtol)
+    for name, grad in want[1].items():
+        torch.testing.assert_close(
+            got[1][name], grad, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_compiled_equals_eager(preset: str) -> None:
+    model = small_model(preset, ["kernels=torch"])
+    tokens, weights = batch()
+    want = _loss_and_grads(model, model.loss, tokens, weights)
+    torch._dynamo.reset()
+    compiled = torch.compile(model.loss, backend="aot_eager", fullgraph=True)
+    _assert_agree(_loss_and_grads(model, compiled, tokens, weights), want, atol=1e-6, rtol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            torch.compile(model, backend="aot_eager", fullgraph=True)(tokens),
+            model(tokens),
+            atol=1e-6,
+            rtol=1e-6,
+        )
+
+
+@pytest.mark.slow
+def test_inductor_equals_eager() -> None:
+    """What trainer.compile=true does: the engine's LossModule compiled in place with inductor
+    (the state-dict keys do not change)."""
+    from lmsys.engine import LossModule  # the engine room (DeepSpeed is imported only to initialize)
+
+    module = LossModule(small_model("tiny", ["kernels=torch"]))
+    tokens, weights = batch()
+    want = _loss_and_grads(module, module, tokens, weights)
+    keys = list(module.state_dict())
+    torch._dynamo.reset()
+    module.compile()
+    _assert_agree(_loss_and_grads(module, module, tokens, weights), want, atol=1e-5, rtol=1e-4)
+    assert list(module.state_dict()) == keys
+    graphs = compile_stats().graphs
+    _loss_and_grads(module, module, *batch())  # the same shapes again: no recompilation
+    assert compile_stats().graphs == graphs == 1
