@@ -337,7 +337,7 @@ def resolve(
 
 # Model keys that choose an implementation, or the weights a run started from, not the
 # function: changing them on resume is fine.
-_RUNTIME_MODEL_KEYS = frozenset({"model.kernels", "model.init_from"})
+_RUNTIME_MODEL_KEYS = frozenset({"model.kernels", "model.loss_impl", "model.init_from"})
 
 
 def model_differences(

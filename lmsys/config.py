@@ -36,6 +36,7 @@ NORM_FORMULAS = ("sqrt_var_eps", "std_plus_eps", "exact", "none")
 BLOCK_KINDS = ("none", "pre", "post", "parallel")
 SOFTMAX_KINDS = ("row", "matrix")
 KERNEL_CHOICES = ("auto", "triton", "torch")
+LOSS_IMPLS = ("auto", "fused", "chunked", "full")
 
 
 # ----------------------------------------------------------------------------- model
@@ -99,6 +100,11 @@ class ModelConfig:
     bos_shift_id: int = 0
     init_std: float = 0.02
     kernels: str = "auto"  # auto (Triton on CUDA, torch elsewhere) | triton | torch
+    # How Transformer.loss computes the same function from the last hidden states: fused (the Triton
+    # kernel), chunked (torch, a chunk of tokens at a time), neither materialising the (tokens, V)
+    # logits; full (logits, then cross-entropy); auto: fused where model.kernels runs Triton (CUDA
+    # by default), chunked elsewhere.
+    loss_impl: str = "auto"
     # An export directory whose weights start a training run (fine-tuning; lmsys.export.initial_model):
     # its model must compute the same function as this config. A resumed run ignores it.
     init_from: str | None = None
@@ -253,6 +259,7 @@ def validate_model(cfg: ModelConfig, prefix: str = "model") -> None:
     _one_of(f"{p}.block", cfg.block, BLOCK_KINDS)
     _one_of(f"{p}.attention.softmax", cfg.attention.softmax, SOFTMAX_KINDS)
     _one_of(f"{p}.kernels", cfg.kernels, KERNEL_CHOICES)
+    _one_of(f"{p}.loss_impl", cfg.loss_impl, LOSS_IMPLS)
     _require(cfg.positions.origin in (0, 1), f"{p}.positions.origin={cfg.positions.origin} must be 0 or 1")
     if cfg.positions.kind in ("sinusoidal", "fourier_T"):
         _require(

@@ -1,7 +1,7 @@
 """The transformer family of docs/SPEC.md: one configurable, single-device model.
 
-Read top to bottom: positions, attention, feed-forward, normalisation, blocks, the stack, the
-loss. Every option is a field of `ModelConfig`; the presets in conf/model/ pick the values that
+Read top to bottom: positions, attention, feed-forward, normalisation, blocks, the unembedding,
+the stack, the loss. Every option is a field of `ModelConfig`; the presets in conf/model/ pick the values that
 reproduce each seed document. The model never touches torch.distributed and never knows whether
 it is sharded: lmsys/engine.py wraps it from outside.
 
@@ -282,6 +282,37 @@ class Block(nn.Module):
         return x + self.attn(normed, cache, layer) + self.ffn(normed)
 
 
+# ----------------------------------------------------------------------------- unembedding
+
+
+class Unembedding(nn.Linear):
+    """W_une (V, D) and its optional bias: hidden states (..., D) -> logits (..., V); or, given
+    targets, the loss of SPEC section 8 straight from the hidden states (`model.loss_impl`):
+    fused / chunked never materialise the (tokens, V) logits, full is logits then cross-entropy.
+
+    The loss is computed inside this module's forward, like the logits, so that DeepSpeed ZeRO-3
+    gathers the weight (the tied embedding included) around it and routes its gradient back to
+    the weight's partition. Its parameters are nn.Linear's: `unembed.weight`, `unembed.bias`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg.d_model, cfg.vocab_size, bias=cfg.unembed_bias)
+        self.loss_impl, self.kernels = cfg.loss_impl, cfg.kernels
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (B, S, D)
+        targets: torch.Tensor | None = None,  # (B, S)
+        weights: torch.Tensor | None = None,  # (B, S)
+    ) -> torch.Tensor:  # logits (B, S, V), or the 0-dim loss given targets
+        if targets is None:
+            return super().forward(x)
+        if self.loss_impl == "full":
+            return weighted_next_token_loss(super().forward(x), targets, weights)
+        return ops.linear_cross_entropy(
+            x, self.weight, targets, weights, self.bias, loss_impl=self.loss_impl, kernels=self.kernels
+        )
+
+
 # ----------------------------------------------------------------------------- the stack
 
 
@@ -306,7 +337,7 @@ class Transformer(nn.Module):
         self.positions = Positions(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.final_norm = Norm(cfg) if cfg.final_norm else None
-        self.unembed = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.unembed_bias)  # W_une^T: (V, D)
+        self.unembed = Unembedding(cfg)  # W_une^T: (V, D)
         if cfg.tied_embeddings:
             self.unembed.weight = self.tok_emb.weight  # W_une = W_emb^T
         self.reset_parameters()
@@ -346,6 +377,10 @@ class Transformer(nn.Module):
     def forward(self, ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """ids (B, T) LongTensor -> logits (B, T, V). With a cache, ids are the next T tokens
         after the cache's positions and their keys/values are appended to it."""
+        return self.unembed(self.hidden_states(ids, cache))  # (B, T, V)
+
+    def hidden_states(self, ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """ids (B, T) -> the last hidden states (B, T, D): everything before the unembedding."""
         if ids.dim() != 2:
             raise ValueError(f"expected token ids of shape (B, T), got {tuple(ids.shape)}")
         start = cache.length if cache is not None else 0
@@ -361,13 +396,14 @@ class Transformer(nn.Module):
             x = self.final_norm(x)
         if cache is not None:
             cache.length = start + ids.shape[1]
-        return self.unembed(x)  # (B, T, V)
+        return x  # (B, T, D)
 
     def loss(self, tokens: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """Causal LM loss (SPEC section 8) on tokens (B, S) with loss weights (B, S) in [0, 1]:
-        the whole batch's weighted mean -sum(w logp) / sum(w) of the `next_token_pairs`."""
+        the whole batch's weighted mean -sum(w logp) / sum(w) of the `next_token_pairs`, computed
+        as model.loss_impl says (the same function; fused and chunked without the logits)."""
         inputs, targets, target_weights = next_token_pairs(self.cfg, tokens, weights)
-        return weighted_next_token_loss(self(inputs), targets, target_weights)
+        return self.unembed(self.hidden_states(inputs), targets, target_weights)
 
     # -- accounting ---------------------------------------------------------------------------
 
