@@ -26,6 +26,7 @@ KERNEL_MODULES = {
     "flash_attention": "kernels.flash_attention",
     "layer_norm": "kernels.layer_norm",
     "add_layer_norm": "kernels.layer_norm",
+    "linear_cross_entropy": "kernels.linear_cross_entropy",
 }
 
 SMALL = ["vocab_size=37", "d_model=32", "n_heads=2", "n_layers=2", "max_seq_len=24", "ffn.d_ff=48"]
@@ -84,8 +85,10 @@ def test_triton_model_equals_torch_model(preset: str, monkeypatch: pytest.Monkey
     loss_ref = reference.loss(tokens, weights)
     assert not calls, f"kernels=torch ran Triton kernels: {dict(calls)}"
     loss_fused = fused.loss(tokens, weights)
-    # Every layer's attention, and every norm where the preset has one, went through Triton.
+    # Every layer's attention, every norm where the preset has one, and the loss (model.loss_impl
+    # auto: fused where model.kernels runs Triton) went through Triton.
     assert calls["flash_attention"] == fused.cfg.n_layers, dict(calls)
+    assert calls["linear_cross_entropy"] == 1, dict(calls)
     if fused.cfg.norm.formula != "none":
         assert calls["layer_norm"] + calls["add_layer_norm"] > 0, dict(calls)
     loss_ref.backward()
