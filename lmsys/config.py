@@ -179,10 +179,14 @@ class TrainerConfig:
     progress: bool = True
     dist_timeout_s: float = 600.0  # collective timeout: a dead or hung rank brings the job down
     # Fault injection for tests (leave empty in real runs): make the loss NaN at these steps,
-    # sleep this long after every step, make the last rank exit at this step on a first attempt.
+    # sleep this long after every step, make the last rank exit at this step on a first attempt,
+    # make the last rank send itself SIGTERM during this step (a preemption that reaches one rank),
+    # sleep this long inside every checkpoint save (before it is committed).
     debug_nan_steps: list[int] = field(default_factory=list)
     debug_step_delay_s: float = 0.0
     debug_crash_at_step: int = 0
+    debug_signal_at_step: int = 0
+    debug_save_delay_s: float = 0.0
 
 
 @dataclass

@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import hydra
@@ -46,7 +47,7 @@ from lmsys.cli import report_error, run_cli
 from lmsys.config import CONF_DIR, Config, compose, config_to_dict, to_config
 from lmsys.console import Console
 from lmsys.data import Batch, TokenLoader
-from lmsys.errors import ConfigError, LmsysError, TrainingError
+from lmsys.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, ConfigError, LmsysError, Stopped, TrainingError
 from lmsys.metrics import MetricsLogger, device_name, device_peak_flops, memory_gb, mfu
 from lmsys.model import Transformer, next_token_pairs, tokens_per_sample
 from lmsys.ops import prepare_kernels
@@ -57,9 +58,11 @@ from lmsys.runtime import (
     env_dist_info,
     resolve_device,
     resolve_precision,
+    resume_batch_plan,
     seed_everything,
 )
 from lmsys.shards import PreparedData
+from lmsys.stopping import StopRequest
 from lmsys.sweep.multirun import check_multirun, in_multirun, multirun_defaults, shared_sweep_dir
 
 PROG = "lmsys-train"
@@ -80,21 +83,21 @@ def open_data(cfg: Config) -> PreparedData:
     return data
 
 
-def resolve_setup(cfg: Config) -> Setup:
-    """Device, kernels and precision, then the process group and the batch plan for its size."""
+def start_processes(cfg: Config) -> tuple[torch.device, str]:
+    """Device, kernels and precision, then the process group."""
     t = cfg.trainer
     device = resolve_device(t.device, env_dist_info().local_rank, key="trainer.device")
     prepare_kernels(cfg.model.kernels, device)  # before anything imports triton (DeepSpeed does)
     precision = resolve_precision(cfg.deepspeed.precision, device)
     eng.init_distributed(device, t.dist_timeout_s)
-    world = dist.get_world_size()
-    return Setup(device, precision, dist.get_rank(), world, batch_plan(cfg, world))
+    return device, precision
 
 
 @dataclass
 class RunPlan:
     run_dir: Path
     resume: ckpt.Checkpoint | None  # the checkpoint to continue from
+    damaged: list[Path] = field(default_factory=list)  # newer checkpoints the resume passed over
 
 
 def plan_run(cfg: Config, tokenizer_sha256: str, world_size: int, warn: Callable[[str], None]) -> RunPlan:
@@ -108,9 +111,9 @@ def plan_run(cfg: Config, tokenizer_sha256: str, world_size: int, warn: Callable
         run_id, restarts = _elastic_ids()
         restarted = rundir.find_restarted_run(cfg.model.name, run_id) if run_id and restarts else None
         run_dir = restarted or rundir.new_run_dir(cfg.model.name)
-    found = None
+    found, damaged = None, []
     if t.resume == "auto":
-        found = ckpt.find_latest(run_dir, warn) if run_dir.exists() else None
+        found = ckpt.find_latest(run_dir, warn, damaged=damaged) if run_dir.exists() else None
     elif t.resume == "never":
         if ckpt.list_checkpoints(run_dir / rundir.CHECKPOINTS):
             raise ConfigError(
@@ -123,16 +126,17 @@ def plan_run(cfg: Config, tokenizer_sha256: str, world_size: int, warn: Callable
         found = ckpt.resolve(t.resume, warn)  # a checkpoint directory, or a run's newest intact one
     if found is not None:
         model_dict = config_to_dict(cfg)["model"]
-        ckpt.check_compatible(found.state, model_dict, tokenizer_sha256, world_size, cfg.deepspeed.stage)
-    return RunPlan(run_dir, found)
+        ckpt.check_compatible(found.state, model_dict, tokenizer_sha256)
+        resume_batch_plan(cfg, world_size, found.step)
+    return RunPlan(run_dir, found, damaged)
 
 
-def agree_on_run(cfg: Config, setup: Setup, tokenizer_sha256: str, console: Console) -> RunPlan:
+def agree_on_run(cfg: Config, rank: int, world_size: int, tokenizer_sha256: str, console: Console) -> RunPlan:
     """Rank 0 plans the run and every rank receives the same plan, or raises the same error."""
     box: list[RunPlan | LmsysError | None] = [None]
-    if setup.rank == 0:
+    if rank == 0:
         try:
-            box[0] = plan_run(cfg, tokenizer_sha256, setup.world_size, console.warn)
+            box[0] = plan_run(cfg, tokenizer_sha256, world_size, console.warn)
         except LmsysError as exc:
             box[0] = exc
     dist.broadcast_object_list(box, src=0)
@@ -152,6 +156,7 @@ class StepResult:
     lr: float
     outcome: eng.StepOutcome
     seconds: float
+    stop: str | None = None  # "preempted" | "interrupted": a rank was signalled to stop after this step
 
 
 class Trainer:
@@ -191,7 +196,8 @@ class Trainer:
             wandb_id=None,
             config=config_to_dict(cfg),
         )
-        self.resumed = run.resume
+        self.resumed, self.damaged = run.resume, run.damaged
+        self.stop = StopRequest()  # train() installs its signal handlers
         if run.resume is not None:
             self._resume(run.resume)
         self.start_step = self.state.step
@@ -202,8 +208,9 @@ class Trainer:
         self.logger: MetricsLogger | None = None
 
     def _resume(self, found: ckpt.Checkpoint) -> None:
-        ckpt.load(self.engine, found.tag_dir)
-        rank_state = ckpt.read_rank_state(found.tag_dir, self.setup.rank)
+        setup, stage = self.setup, self.cfg.deepspeed.stage
+        ckpt.load(self.engine, found, setup.world_size, stage, setup.precision)
+        rank_state = ckpt.read_rank_state(found, setup.rank, setup.world_size)
         self.loader.load_state_dict(rank_state["loader"])
         ckpt.set_rng_state(rank_state["rng"])
         saved = found.state
@@ -215,7 +222,13 @@ class Trainer:
             last_loss=saved.last_loss,
             wandb_id=saved.wandb_id,
         )
-        self.console.say(f"{PROG}: resumed from {found.tag_dir} (step {saved.step})")
+        how = ""
+        if not ckpt.same_layout(saved, setup.world_size, stage, setup.precision):
+            how = (
+                f"; resharded from ZeRO-{saved.zero_stage} on {saved.world_size} rank(s), {saved.precision}, "
+                f"to ZeRO-{stage} on {setup.world_size}, {setup.precision}"
+            )
+        self.console.say(f"{PROG}: resumed from {found.tag_dir} (step {saved.step}{how})")
 
     def open_run_dir(self) -> None:
         """Only now, with the checkpoint and loader state accepted, does the run directory change
@@ -229,6 +242,9 @@ class Trainer:
                 "world_size": setup.world_size,
                 "device": str(setup.device),
             }
+            for path in self.damaged:  # found by the resume; kept for inspection, out of every listing
+                moved = ckpt.move_aside(path)
+                self.console.warn(f"moved the damaged checkpoint {path.name} to {moved}")
             config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
             rundir.record_launch(self.run_dir, config_yaml, launch, run_id)
             rundir.write_json(self.run_dir, rundir.DEEPSPEED_FILE, self.ds_json)
@@ -288,6 +304,8 @@ class Trainer:
         loss). Returns the step's global weighted mean loss."""
         start = time.perf_counter()
         engine, plan, device = self.engine, self.setup.plan, self.setup.device
+        if step == self.cfg.trainer.debug_signal_at_step and self.setup.rank == self.setup.world_size - 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # fault injection: a preemption that reaches one rank
         lr = eng.lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
         eng.set_lr(engine, lr)
         loader_step = self.loader.step
@@ -295,24 +313,27 @@ class Trainer:
         weights = [self._prediction_weight(b) for b in batches]
         global_weight = self._global_weight(weights, loader_step)
         micro_batches = plan.grad_accum * self.setup.world_size
-        weighted_loss = torch.zeros(1, dtype=torch.float64, device=device)
+        totals = torch.zeros(3, dtype=torch.float64, device=device)  # (weighted loss, preempt, interrupt)
         for i, batch in enumerate(batches):
             loss = engine(
                 batch.tokens.to(device, non_blocking=True), batch.weights.to(device, non_blocking=True)
             )
             if i == 0 and step in self.cfg.trainer.debug_nan_steps:
                 loss = loss * float("nan")  # fault injection
-            weighted_loss += loss.detach().double() * weights[i]
+            totals[0] += loss.detach().double() * weights[i]
             # DeepSpeed averages the micro-batch gradients of all ranks: scaling each by its share
             # of the step's weights times their count makes that average the weighted mean's.
             scale = weights[i] * micro_batches / global_weight if global_weight > 0 else 0.0
             engine.backward(loss if scale == 1.0 else loss * scale)
             if i < plan.grad_accum - 1:
                 engine.step()  # not a boundary: DeepSpeed only counts the micro-step
-        dist.all_reduce(weighted_loss)
-        step_loss = weighted_loss.item() / global_weight if global_weight > 0 else 0.0
+        totals[1], totals[2] = self.stop.flags()  # read as late as possible; summed over the ranks
+        dist.all_reduce(totals)
+        weighted_loss, preempt, interrupt = totals.tolist()
+        step_loss = weighted_loss / global_weight if global_weight > 0 else 0.0
         outcome = eng.optimizer_step(engine, math.isfinite(step_loss))
-        return StepResult(step, step_loss, lr, outcome, time.perf_counter() - start)
+        stop = "interrupted" if interrupt else "preempted" if preempt else None
+        return StepResult(step, step_loss, lr, outcome, time.perf_counter() - start, stop)
 
     # -- around the step ------------------------------------------------------------------------
 
@@ -395,11 +416,21 @@ class Trainer:
             self.logger.log("eval", step, {"loss": self.last_val, "ppl": math.exp(min(self.last_val, 80.0))})
         self.console.say(f"{PROG}: step {step}: train loss {train_loss:.4f}, val loss {self.last_val:.4f}")
 
-    def save(self) -> None:
+    def save(self) -> Path:
+        t = self.cfg.trainer
         rank_state = {"loader": self.loader.state_dict(), "rng": ckpt.rng_state()}
-        keep_last = self.cfg.trainer.keep_last
-        ckpt.save(self.engine, self.run_dir, self.state, rank_state, self.setup.rank, keep_last)
+        saved = ckpt.save(
+            self.engine,
+            self.run_dir,
+            self.state,
+            rank_state,
+            self.setup.rank,
+            t.keep_last,
+            warn=self.console.warn,
+            pause_s=t.debug_save_delay_s,
+        )
         self.saved_step = self.state.step
+        return saved
 
     def _debug_faults(self, step: int) -> None:
         """trainer.debug_*: slow every step down, or make the last rank die (first attempt only)."""
@@ -419,10 +450,14 @@ class Trainer:
     def fit(self, step_hook: Callable[[int], None] | None = None) -> None:
         """Every step from the checkpoint's to trainer.max_steps, evaluating and saving on their
         intervals and at the end. step_hook(step) runs after each step's logging, evaluation and
-        checkpoint (lmsys.bench train interleaves a plain loop's steps with lmsys's through it)."""
+        checkpoint (lmsys.bench train interleaves a plain loop's steps with lmsys's through it).
+        A stop request (`StopRequest`) ends the run after the step every rank learns of it in:
+        `_stop` saves that step and raises Stopped."""
         t = self.cfg.trainer
         started = time.perf_counter()
         self.engine.train()
+        stop: str | None = None
+        self.stop.armed = True
         try:
             with self.console.progress(total=t.max_steps, initial=self.start_step):
                 for step in range(self.start_step + 1, t.max_steps + 1):
@@ -432,17 +467,47 @@ class Trainer:
                         self.evaluate_and_log(step, result.loss)
                     if step % t.save_interval == 0 or step == t.max_steps:
                         self.save()
+                    if result.stop is not None and step < t.max_steps:
+                        stop = result.stop
+                        break
                     if step_hook is not None:
                         step_hook(step)
                     self._debug_faults(step)
+            if stop is not None:
+                self._stop(stop)
             if self.saved_step != t.max_steps and self.start_step < t.max_steps:
                 self.save()
-        except BaseException:
+        except BaseException as exc:
             if self.logger is not None:
-                self.logger.close(exit_code=1)
+                self.logger.close(exit_code=exc.exit_code if isinstance(exc, Stopped) else 1)
                 self.logger = None
             raise
         self._finish(time.perf_counter() - started)
+
+    def _stop(self, why: str) -> None:
+        """Save the step every rank has just finished (unless its periodic save did), say so in
+        one line, and raise Stopped with the exit status for the launcher."""
+        step = self.state.step
+        if why == "interrupted":
+            head, code, then = "interrupted", EXIT_INTERRUPTED, "trainer.resume=auto continues"
+        else:
+            head, code = f"preempted ({self.stop.name() or 'a signal to another rank'})", EXIT_REQUEUE
+            then = f"exit {EXIT_REQUEUE}: requeue, or run again with trainer.resume=auto, to continue"
+        self.console.status(f"{PROG}: {head}: saving step {step} ...", end="")
+        try:
+            path = self.run_dir / rundir.CHECKPOINTS / ckpt.tag_for(step)
+            if self.saved_step != step:
+                path = self.save()
+        except BaseException:
+            self.console.status(" not saved")
+            raise
+        self.console.status(f" saved {path}; {then}")
+        if self.logger is not None:
+            self.logger.close(exit_code=code)
+            self.logger = None
+            plot_losses(self.run_dir)
+        dist.barrier()  # leave together: a launcher stops the other ranks when the first one exits
+        raise Stopped(f"stopped after step {step}", code)
 
     def _finish(self, elapsed: float) -> None:
         t = self.cfg.trainer
@@ -478,13 +543,21 @@ def train(cfg: Config, step_hook: Callable[[int], None] | None = None) -> Path:
     """Train according to `cfg` (validated). Every rank calls this. Returns the run directory.
 
     step_hook(step), if given, runs at the end of every step (see `Trainer.fit`)."""
-    data = open_data(cfg)  # every mistake in the data is reported before the process group forms
-    setup = resolve_setup(cfg)
-    console = Console(PROG, setup.rank, cfg.trainer.progress)
-    run = agree_on_run(cfg, setup, data.tokenizer_sha256, console)
-    trainer = Trainer(cfg, setup, data, run, console)
-    trainer.open_run_dir()
-    trainer.fit(step_hook)
+    stop = StopRequest()  # from now on SIGTERM / SIGUSR1 stop the run after a step, with a checkpoint
+    stop.install()
+    try:
+        data = open_data(cfg)  # every mistake in the data is reported before the process group forms
+        device, precision = start_processes(cfg)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        console = Console(PROG, rank, cfg.trainer.progress)
+        run = agree_on_run(cfg, rank, world, data.tokenizer_sha256, console)  # a resume's batch check first
+        setup = Setup(device, precision, rank, world, batch_plan(cfg, world))
+        trainer = Trainer(cfg, setup, data, run, console)
+        trainer.stop = stop
+        trainer.open_run_dir()
+        trainer.fit(step_hook)
+    finally:
+        stop.restore()
     return run.run_dir
 
 
@@ -499,6 +572,8 @@ def _hydra_task(dcfg: DictConfig) -> None:
     multirun_defaults(dcfg)  # `-m`: run_dir <sweep dir>/<job number>, W&B group = the sweep's name
     try:
         train(to_config(dcfg))
+    except Stopped as stop:
+        sys.exit(stop.exit_code)  # SystemExit passes through Hydra: the sweep stops here, to be resumed
     except LmsysError as exc:
         report_error(PROG, exc)
         if in_multirun():
@@ -541,6 +616,8 @@ def main(argv: list[str] | None = None) -> int:
     def plain_run() -> int:
         try:
             train(compose(argv))  # composed once, here: a mistake is one line
+        except Stopped as stop:  # saved after a signal: already said in one line
+            return stop.exit_code
         finally:
             eng.close_distributed()
         return 0
