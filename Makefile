@@ -27,10 +27,11 @@ RUN ?= runs/main-$(shell date +%Y%m%d-%H%M%S)
 RUN := $(RUN)
 PROMPT ?= The module
 
+# launch.torchrun is torchrun --standalone plus what an operator expects of Ctrl-C and SIGTERM: the
+# ranks save their step and the launch ends with one line (exit 130 / 75), no agent traceback.
 train: $(VENV)/.installed
 	$(PY) -m lmsys.prepare
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m lmsys.train model=tiny deepspeed=zero2 \
-		trainer.run_dir=$(RUN) $(ARGS)
+	$(PY) -m launch.torchrun --nproc $(NPROC) -- model=tiny deepspeed=zero2 trainer.run_dir=$(RUN) $(ARGS)
 	$(PY) -m lmsys.export $(RUN)
 	$(PY) -m lmsys.generate $(RUN)/export prompt="$(PROMPT)" max_new_tokens=60 temperature=0.8 top_k=40 seed=0
 

@@ -22,12 +22,17 @@ be picked up half-written:
    its own rank_*.json), and all ranks meet at a barrier;
 2. rank 0 writes `lmsys_checkpoint.json` into it, fsyncs, and renames the directory to
    `step_0000100`;
-3. `latest` is replaced atomically last; old tags beyond trainer.keep_last are deleted.
+3. `latest` is replaced atomically last; then `prune`: the newest trainer.keep_last complete,
+   intact tags stay (and the one just written), older ones are deleted, and a damaged one (no
+   marker, a missing or truncated file) is moved into `checkpoints/damaged/`, never counted.
 
 Which checkpoint (`resolve`, `find_latest`): a checkpoint directory names itself, and must be
 complete and intact; a run directory or its checkpoints/ directory means its newest complete,
 intact `step_*`, every newer one that is not (no marker, a missing, truncated or altered file)
 reported and skipped. `latest` is not consulted: after a fall-back it may name a damaged tag.
+
+Resume (`load`) may change the world size, ZeRO stage and precision (lmsys.reshard), not the
+model or the tokenizer (`check_compatible`).
 """
 
 from __future__ import annotations

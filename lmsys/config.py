@@ -171,9 +171,11 @@ class TrainerConfig:
     micro_batch_size: int = 8  # sequences per rank per forward
     eval_interval: int = 200
     eval_batches: int = 20
-    save_interval: int = 500
-    keep_last: int = 3
-    resume: str = "auto"  # auto | never | <checkpoint dir or run dir: its newest intact checkpoint>
+    save_interval: int = 500  # also saved at the end, and after the step under way on SIGTERM/SIGUSR1/Ctrl-C
+    keep_last: int = 3  # complete, intact checkpoints kept (damaged ones are moved to checkpoints/damaged/)
+    # auto | never | <checkpoint dir or run dir: its newest intact checkpoint>; on any world size and
+    # ZeRO stage that splits the global batch
+    resume: str = "auto"
     max_nan_skips: int = 5
     device: str = "auto"  # auto | cpu | cuda
     progress: bool = True

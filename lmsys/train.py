@@ -17,7 +17,9 @@ the engine, one optimizer step. Each micro-batch's loss is weighted by its share
 loss weights, so the gradient is that of the step's global weighted mean loss for any split into
 ranks and micro-batches. A step whose loss is NaN/inf is skipped (no update) with a warning, at
 most trainer.max_nan_skips times. Checkpoints: lmsys/checkpoint.py; trainer.resume=auto continues
-from the newest complete one.
+from the newest complete one, on any world size and ZeRO stage that splits the global batch
+(lmsys/reshard.py). SIGTERM / SIGUSR1 (preemption) and Ctrl-C stop the run after the step under
+way, with a checkpoint of it, every rank at the same step (lmsys/stopping.py): exit 75 or 130.
 
 Errors: a bad config, bad data or an incompatible checkpoint prints one line
 `lmsys-train: error: ...` and exits 2 before anything is written; a training failure (too many

@@ -4,7 +4,8 @@
   SIGTERM to one rank: trainer.debug_signal_at_step) and continued on 1 rank at ZeRO-2, and
   against one stopped after step 6 on 1 rank at ZeRO-1 and continued on 2 ranks at ZeRO-3: the
   losses of steps 7-12 are the uninterrupted run's to 1e-5 relative;
-- ZeRO-0 state continued at ZeRO-3 and ZeRO-3 state at ZeRO-0 (the matrix's step-4 checkpoints);
+- ZeRO-0 state continued at ZeRO-3 and ZeRO-3 state at ZeRO-0, fp32 state in bf16 (the matrix's
+  step-4 checkpoints);
 - what resharding reads back is what DeepSpeed's own consolidation reads (every stage), with
   Adam's moments and step count;
 - a resume whose global batch does not split for the new world size is one error line naming
@@ -99,6 +100,20 @@ def test_zero0_and_zero3_continue_each_other(runs, tmp_path, source, stage, npro
     run = run_train("continued", nproc, overrides, run_dir, cwd=tmp_path).check()
     assert "(step 4; resharded from ZeRO-" in run.stdout
     assert_losses_close(run.losses(), runs.get("1proc").check().losses(), range(5, 7))
+
+
+def test_fp32_state_continues_in_bf16(runs, tmp_path):
+    """The precision may change too: the matrix's fp32 ZeRO-2 step-4 checkpoint continued in bf16
+    at ZeRO-1 on 1 rank (DeepSpeed's bf16 optimizer: fp32 master weights, bf16 compute). The
+    losses are the fp32 run's up to bf16 rounding."""
+    run_dir = copy_run(runs.get("2proc-zero2").check(), tmp_path / "run")
+    shutil.rmtree(run_dir / "checkpoints" / "step_0000006")
+    overrides = [*runs.overrides("2proc-zero2"), *layout(1, 1), "deepspeed.precision=bf16", "logger=none"]
+    run = run_train("bf16", 1, overrides, run_dir, cwd=tmp_path).check()
+    assert "(step 4; resharded from ZeRO-2 on 2 rank(s), fp32, to ZeRO-1 on 1, bf16)" in run.stdout
+    want = runs.get("1proc").check().losses()
+    for step in (5, 6):
+        assert run.losses()[step] == pytest.approx(want[step], rel=1e-3)
 
 
 @pytest.mark.parametrize("case", ["2proc-zero0", "1proc", "2proc-zero1", "2proc-zero2", "2proc-zero3"])
