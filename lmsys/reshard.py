@@ -69,9 +69,14 @@ def _step(state: dict[str, Any], group: dict[str, Any] | None = None) -> float |
 
 
 def _load(path: Path) -> dict[str, Any]:
-    """A DeepSpeed file, weights-only and memory-mapped: only what is read is paged in."""
+    """A DeepSpeed file, weights-only and memory-mapped: only what is read is paged in (read
+    whole if it was saved in torch's legacy format, which cannot be mapped)."""
     try:
         return safe_torch_load(path, mmap=True)
+    except Exception:  # the legacy format; a damaged file fails again below
+        pass
+    try:
+        return safe_torch_load(path)
     except Exception as exc:  # a truncated zip, a refused pickle global
         raise CheckpointError(f"cannot read {path}: {' '.join(str(exc).split())[:300]}") from exc
 
@@ -322,6 +327,7 @@ def _load_stage3(engine: Any, saved: SavedState, writer: _Writer) -> None:
     optimizer state at the sub-group and offset DeepSpeed records in grad_position."""
     zero = engine.optimizer
     world, rank = dist.get_world_size(), dist.get_rank()
+    zero.checkpoint_event_prologue()  # as DeepSpeed's own load: every parameter partitioned first
     for name, p in trainable_in_optimizer_order(engine.module):
         state = saved.param(name, torch.Size(p.ds_shape))
         group, offset, part = zero.grad_position[zero.get_param_id(p)]
@@ -333,6 +339,7 @@ def _load_stage3(engine: Any, saved: SavedState, writer: _Writer) -> None:
         mine = slice(rank * part, (rank + 1) * part)
         writer.copy(zero.fp32_partitioned_groups_flat[group], offset, padded, mine)
         p.ds_tensor.data.copy_(padded.master[mine].to(p.ds_tensor.dtype))
+    zero.checkpoint_event_epilogue()  # the persistent (small, kept whole) parameters gathered again
 
 
 def load_resharded(engine: Any, tag_dir: Path, zero_stage: int, world_size: int) -> None:

@@ -1,7 +1,8 @@
 """SLURM for real, on a one-machine cluster started by the test (tests/launch/slurm_cluster.py):
 launch/slurm.sbatch trains with 2 ranks; SIGUSR1 makes the ranks save their step and the script
 requeue the job, which resumes from that step to the uninterrupted run's losses; a node count
-that does not match the allocation fails with one line; a Hydra sweep through
+that does not match the allocation fails with one line; with SWEEP_DIR the script runs a
+launch.sweep that, preempted, requeues and finishes its jobs; a Hydra sweep through
 hydra-submitit-launcher (hydra/launcher=slurm) runs 2 tiny jobs of 2 SLURM tasks (2 ranks) each
 as SLURM jobs and summarizes them.
 
@@ -10,6 +11,7 @@ cannot be installed."""
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import time
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.conftest import REPO_ROOT, assert_trained, child_env, losses, run, run_meta
+from tests.launch.conftest import REPO_ROOT, assert_trained, child_env, free_port, losses, run, run_meta
 from tests.launch.test_sweep import wandb_groups
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -44,7 +46,10 @@ def test_sbatch_preempted_saves_its_step_and_requeues(slurm, tiny, one_node, tmp
     id and run directory and resumes from exactly that step (none lost, none redone): the losses
     are those of the uninterrupted run."""
     run_dir = tmp_path / "run"
-    env = child_env(PYTHON=sys.executable, RUN_DIR=str(run_dir), RDZV_TIMEOUT="120")
+    # a free rendezvous port: the script's default (from the job id) may be taken on a shared machine
+    env = child_env(
+        PYTHON=sys.executable, RUN_DIR=str(run_dir), RDZV_TIMEOUT="120", RDZV_PORT=str(free_port())
+    )
     job = slurm.sbatch(
         ["--ntasks=2", "--time=30", f"--output={tmp_path}/slurm-%j.out", f"--chdir={REPO_ROOT}"],
         SBATCH,
@@ -81,6 +86,48 @@ def test_sbatch_preempted_saves_its_step_and_requeues(slurm, tiny, one_node, tmp
     got = assert_trained(run_dir, world_size=2)
     for s in range(1, 7):
         assert got[s] == pytest.approx(one_node[s], rel=1e-5), (got, one_node)
+
+
+def test_sbatch_sweep_continues_after_a_requeue(slurm, tiny, one_node, tmp_path):
+    """SWEEP_DIR=<dir>: the script runs launch.sweep, 2 jobs of 2 ranks. SIGUSR1 during job 0: job
+    0 saves its step, the sweep marks it preempted and exits 75, the script requeues; the requeued
+    job runs the same sweep, which resumes job 0 from that step (to the uninterrupted losses) and
+    then runs job 1."""
+    sweep_dir = tmp_path / "sweep"
+    env = child_env(
+        PYTHON=sys.executable, SWEEP_DIR=str(sweep_dir), RDZV_TIMEOUT="120", RDZV_PORT=str(free_port())
+    )
+    job = slurm.sbatch(
+        ["--ntasks=2", "--time=30", f"--output={tmp_path}/slurm-%j.out", f"--chdir={REPO_ROOT}"],
+        SBATCH,
+        [*tiny, "optim.lr=3e-3,1e-3", "trainer.debug_step_delay_s=1"],
+        env,
+    )
+    log_path = tmp_path / f"slurm-{job}.out"
+
+    def context() -> str:
+        return f"{slurm.job(job)}\n{job_output(log_path)}\n{slurm.tail()}"
+
+    wait_until("job 0 at step 2", lambda: 2 in losses(sweep_dir / "0"), 300, context)
+    slurm.signal_batch(job, "USR1")
+    wait_until("the job requeued", lambda: slurm.job(job).get("JobState") == "PENDING", 300, context)
+    jobs = json.loads((sweep_dir / "sweep.json").read_text())["jobs"]
+    assert [j["status"] for j in jobs] == ["preempted", "pending"], jobs
+    slurm.start_now(job)
+    info = slurm.wait(job, 500)
+    log = job_output(log_path)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", context()
+    assert f"lmsys-slurm: job {job} restart 0: 1 node(s) x 2 process(es) (CPU: tasks per node)" in log
+    assert "lmsys-sweep: preempted: the running job saved its step; exit 75" in log, log
+    assert "requeueing job" in log and "lmsys-sweep: job 1/2:" in log, log
+    jobs = json.loads((sweep_dir / "sweep.json").read_text())["jobs"]
+    assert [j["status"] for j in jobs] == ["completed", "completed"], jobs
+    launches = run_meta(sweep_dir / "0")["launches"]
+    assert len(launches) == 2 and launches[1]["resumed_from"] is not None, launches
+    got = assert_trained(sweep_dir / "0", world_size=2)
+    for s in range(1, 7):
+        assert got[s] == pytest.approx(one_node[s], rel=1e-5), (got, one_node)
+    assert_trained(sweep_dir / "1", world_size=2)
 
 
 def test_sbatch_node_count_mismatch_is_one_error_line(slurm, tmp_path):
