@@ -11,7 +11,7 @@ TORCH ?= torch==2.13.0
 NPROC ?= 2
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: train test setup lint bench clean
+.PHONY: train test setup lint bench inspect clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -44,6 +44,12 @@ lint: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) -m kernels.bench
 	$(PY) -m lmsys.bench train
+
+# Every kernel compiled for sm_80 and sm_90 without a GPU (kernels/README.md): registers, spills,
+# occupancy, SASS; fails on a kept config that spills or cannot launch. INSPECT_ARGS adds flags,
+# e.g. INSPECT_ARGS="--json inspect.json --dump cubins".
+inspect: $(VENV)/.installed
+	$(PY) -m kernels.inspect $(INSPECT_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -1,15 +1,35 @@
 """Triton kernels for lmsys, importable without lmsys.
 
-Public, differentiable entry points:
-    flash_attention(q, k, v, causal=True, scale=None)
-    layer_norm(x, weight=None, bias=None, eps=1e-5, formula="sqrt_var_eps")
-    add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5, formula="sqrt_var_eps")
+Public, differentiable entry points, each in its module:
+    kernels.flash_attention.flash_attention(q, k, v, causal=True, scale=None)
+    kernels.layer_norm.layer_norm(x, weight=None, bias=None, eps=1e-5, formula="sqrt_var_eps")
+    kernels.layer_norm.add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5, formula=...)
+and their torch definitions in kernels.reference (torch only: importing it never imports triton).
 
-Note: the functions shadow their submodules' names on this package; import module members with
-`from kernels.flash_attention import ...`, never `import kernels.flash_attention as m`.
+Importing this package imports nothing: triton is imported with the first kernel module, so that
+a program can still choose how Triton runs (its CPU interpreter, TRITON_INTERPRET=1) until then.
+`from kernels import flash_attention` still gives the function when it is the first thing a
+program takes from the package; the function names shadow their modules' otherwise, so import
+from the modules (`from kernels.flash_attention import flash_attention`) in code that may run
+after a module import.
 """
 
-from kernels.flash_attention import flash_attention
-from kernels.layer_norm import add_layer_norm, layer_norm
+from __future__ import annotations
 
-__all__ = ["flash_attention", "layer_norm", "add_layer_norm"]
+import importlib
+from typing import Any
+
+_ENTRY_POINTS = {
+    "flash_attention": "kernels.flash_attention",
+    "layer_norm": "kernels.layer_norm",
+    "add_layer_norm": "kernels.layer_norm",
+}
+__all__ = list(_ENTRY_POINTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _ENTRY_POINTS:
+        raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+    function = getattr(importlib.import_module(_ENTRY_POINTS[name]), name)
+    globals()[name] = function  # importing the module bound its name here; the function wins
+    return function

@@ -12,6 +12,13 @@ on an H100 in bf16; elsewhere the lines only show which rows would be read):
     layer norm forward+backward: >= 90% of peak HBM bandwidth and >= 1.5x F.layer_norm
         (rows "layer_norm fwd+bwd": columns ours_pct_peak_hbm and ratio)
 
+and the GPT-2 targets of issue #12 (GPT2_TARGETS; the full grid has GPT-2's shapes: attention
+B=16, H=12 and 25, T=1024, d=64, causal; layer-norm widths 768, 1024, 1280, 1600):
+
+    causal attention, d=64, T=1024: forward >= 290 and backward >= 300 TFLOP/s (column ours)
+    layer norm forward, N >= 4096: >= 85% of peak HBM; forward+backward, N <= 8192: >= 70%
+    layer norm, every row: >= 1.5x F.layer_norm (column ratio)
+
 Layer-norm GB/s and % of peak HBM. GB/s = counted bytes / time; % of peak = that / the device's
 peak HBM bandwidth, looked up by device name in PEAK_HBM_BYTES_PER_S (H100 SXM 3.35 TB/s, H100
 PCIe 2.0, H200 4.8, A100 80GB SXM 2.039, A100 80GB PCIe 1.935, A100 40GB 1.555), or given with
@@ -74,7 +81,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # Layer-norm grid: rows x widths. ~16k rows keep every width memory-bound on an H100.
 LN_ROWS = 16384
-LN_WIDTHS = (1024, 2048, 4096, 8192, 16384)
+# GPT-2's widths (124M ... 1558M: 768, 1024, 1280, 1600), then the wide rows.
+LN_WIDTHS = (768, 1024, 1280, 1600, 2048, 4096, 8192, 16384)
 LN_SMOKE_ROWS_GPU = 1024
 LN_SMOKE_WIDTHS_GPU = (1024, 4096)
 LN_SMOKE_ROWS_CPU = 8
@@ -198,6 +206,7 @@ def _bench_layer_norm_shape(
                 "ms": ms,
                 "gbps": gbps,
                 "pct_peak_hbm": None if peak_bytes_per_s is None else 100 * gbps * 1e9 / peak_bytes_per_s,
+                "n": n,
                 "baseline": "F.layer_norm",
                 "baseline_gbps": base_gbps,
                 "ratio": gbps / base_gbps,
@@ -258,15 +267,70 @@ TARGETS: tuple[tuple[str, Callable[[dict], bool], str, float, str], ...] = (
 )
 
 
-def format_targets(rows: list[dict], verdicts: bool = True) -> str:
+def _gpt2_attention_rows(op: str) -> Callable[[dict], bool]:
+    return lambda r: r["op"] == op and r.get("causal") is True and r.get("d") == 64 and r.get("T") == 1024
+
+
+def _ln_rows(op: str, lo: int = 0, hi: int = 1 << 30) -> Callable[[dict], bool]:
+    return lambda r: r["op"] == op and lo <= r.get("n", 0) <= hi
+
+
+_ANY_LN = lambda r: r["op"].startswith("layer_norm")
+# Issue #12's targets for a GPU session (H100 SXM, bf16): GPT-2's causal attention (d = 64,
+# T = 1024) in absolute TFLOP/s, the layer norm against peak HBM bandwidth and F.layer_norm.
+GPT2_TARGETS: tuple[tuple[str, Callable[[dict], bool], str, float, str], ...] = (
+    (
+        "attention fwd, causal d=64 T=1024 (GPT-2)",
+        _gpt2_attention_rows("attention fwd"),
+        "tflops",
+        290.0,
+        " TFLOP/s",
+    ),
+    (
+        "attention bwd, causal d=64 T=1024 (GPT-2)",
+        _gpt2_attention_rows("attention bwd"),
+        "tflops",
+        300.0,
+        " TFLOP/s",
+    ),
+    (
+        "layer_norm fwd, N >= 4096, % of peak HBM",
+        _ln_rows("layer_norm fwd", lo=4096),
+        "pct_peak_hbm",
+        85.0,
+        "%",
+    ),
+    (
+        "layer_norm fwd+bwd, N <= 8192, % of peak HBM",
+        _ln_rows("layer_norm fwd+bwd", hi=8192),
+        "pct_peak_hbm",
+        70.0,
+        "%",
+    ),
+    ("layer_norm fwd and fwd+bwd vs F.layer_norm", _ANY_LN, "ratio", 1.5, "x"),
+)
+# Published H100 figures for GPT-2's attention shape (causal, d = 64, T = 1024), for reading the
+# rows above; not measured by this benchmark: forward FlashAttention-2 ~229, Triton ~291, cuDNN
+# ~288 TFLOP/s; backward FlashAttention-2 ~238, cuDNN ~348 TFLOP/s.
+GPT2_ATTENTION_ANCHORS = (
+    "H100 anchors (published): fwd FA2 ~229, Triton ~291, cuDNN ~288; bwd FA2 ~238, cuDNN ~348 TFLOP/s"
+)
+
+
+def format_targets(
+    rows: list[dict],
+    verdicts: bool = True,
+    targets: tuple = TARGETS,
+    scope: str = "issue #3",
+) -> str:
     """One line per target: the worst value over the rows it covers, the threshold and, with
     `verdicts` (a full bf16 run on an H100), met or not. Rows without a finite value (an unknown
     peak bandwidth, a failed baseline) are left out."""
     if verdicts:
-        lines = ["targets (issue #3; H100, bf16, full grid):"]
+        lines = [f"targets ({scope}; H100, bf16, full grid):"]
     else:
-        lines = ["targets (issue #3; H100, bf16, full grid; not such a run, so values only, no verdict):"]
-    for what, selects, key, threshold, unit in TARGETS:
+        lines = [f"targets ({scope}; H100, bf16, full grid; not such a run, so values only, no verdict):"]
+    for what, selects, key, threshold, unit in targets:
         values = [r[key] for r in rows if selects(r) and r.get(key) is not None and math.isfinite(r[key])]
         target = f"target >= {threshold:g}{unit}"
         if not values:
@@ -352,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     full_h100_bf16 = on_gpu and not smoke and dtype == torch.bfloat16 and "H100" in device_name(device)
     print(format_targets(rows, verdicts=full_h100_bf16))
+    print()
+    print(format_targets(rows, full_h100_bf16, GPT2_TARGETS, "issue #12, GPT-2 shapes"))
+    print(f"  {GPT2_ATTENTION_ANCHORS}")
     if args.csv:
         write_csv(rows, args.csv)
         print(f"\nwrote {args.csv}")

@@ -21,9 +21,10 @@ ratio of times. The issue's H100 bf16 targets read straight off the rows with d=
 T >= 4096 and baseline sdpa-flash: "attention fwd" ratio >= 1.3 and "attention bwd" ratio >= 1.2
 (`kernels.bench` also prints the worst ratio over those rows).
 
-Full grid (GPU): d in {64, 128}, T in {1024, ..., 16384}; B = max(1, 16384 // T) keeps ~16k
-tokens per step at every length, and H = 2048 // d keeps the model width H*d at 2048 (a ~1B
-model's attention layer: 32 heads of 64 or 16 of 128). Smoke: one tiny shape; on CPU the kernels
+Full grid (GPU): GPT-2's own shapes first (GPT2_SHAPES: B = 16, T = 1024, d = 64, 12 and 25
+heads), then d in {64, 128}, T in {1024, ..., 16384}; B = max(1, 16384 // T) keeps ~16k tokens
+per step at every length, and H = 2048 // d keeps the model width H*d at 2048 (a ~1B model's
+attention layer: 32 heads of 64 or 16 of 128). Smoke: one tiny shape; on CPU the kernels
 run through the Triton interpreter (fp32 only; the timings only prove the code path).
 """
 
@@ -46,6 +47,9 @@ FULL_HEAD_DIMS = (64, 128)
 FULL_SEQ_LENS = (1024, 2048, 4096, 8192, 16384)
 TOKENS_PER_STEP = 16384  # B * T on GPU
 MODEL_WIDTH = 2048  # H * d
+# GPT-2's own attention: 12 heads of 64 (124M) and 25 heads of 64 (1558M) over its 1024-token
+# context, 16 sequences per step. Issue #12's GPU targets read these rows (kernels/bench.py).
+GPT2_SHAPES = ((16, 12, 1024, 64), (16, 25, 1024, 64))  # (B, H, T, d)
 SMOKE_GPU = (2, 4, 256, 64)  # (B, H, T, d)
 SMOKE_CPU = (1, 2, 64, 32)
 
@@ -106,7 +110,12 @@ def _shapes(device: str, smoke: bool) -> list[tuple[int, int, int, int]]:
     if smoke:
         return [SMOKE_GPU]
     return [
-        (max(1, TOKENS_PER_STEP // T), MODEL_WIDTH // d, T, d) for d in FULL_HEAD_DIMS for T in FULL_SEQ_LENS
+        *GPT2_SHAPES,
+        *(
+            (max(1, TOKENS_PER_STEP // T), MODEL_WIDTH // d, T, d)
+            for d in FULL_HEAD_DIMS
+            for T in FULL_SEQ_LENS
+        ),
     ]
 
 

@@ -10,14 +10,21 @@ use IEEE fp32 dot products, not TF32, so fp32 results match the fp32 reference.
 
 Layering, as in the other kernel files: private `@triton.jit` kernels -> host launchers
 `flash_attention_forward` / `flash_attention_backward` -> `FlashAttentionFunction` ->
-`flash_attention`. `attention_reference` is the readable torch definition the kernels are
-tested against.
+`flash_attention`. `attention_reference` (kernels/reference.py) is the readable torch
+definition the kernels are tested against.
 
-On a GPU every kernel is wrapped in `triton.autotune` (pruned per head width, keyed on the
-shapes that change the best tiling, persisted to Triton's cache dir where supported). Under the
-Triton CPU interpreter (TRITON_INTERPRET=1) tuning would run every config through a Python
-emulator, so one small fixed tiling (`INTERPRETER_BLOCKS`) is used instead; the kernel code is
-the same on both.
+The launchers first build `KernelLaunch` records (`forward_launch`, `backward_launches`), then
+run them; `python -m kernels.inspect` compiles the same records for sm_80 / sm_90 without a GPU.
+
+On a GPU every kernel is wrapped in `triton.autotune` (keyed on the shapes that change the best
+tiling). Its pruner keeps the configs that compile without spilling and launch on the device,
+as measured per target and Triton version in `kernels/targets/sm_XX.json` (`prune_configs`).
+On sm_90 the operands a kernel streams (K and V for the forward and dQ, Q and dO for dK/dV) are
+read through TMA tensor descriptors when their layout allows (16-byte aligned base and strides,
+unit last stride); elsewhere, and on sm_80, through pointers (cp.async). Under the Triton CPU
+interpreter (TRITON_INTERPRET=1) tuning would run every config through a Python emulator, so
+one small fixed tiling (`INTERPRETER_BLOCKS`) is used instead; the kernel code is the same on
+both, and the interpreter also runs the descriptor path (tests/kernels/test_attention_paths.py).
 """
 
 from __future__ import annotations
@@ -31,6 +38,15 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
+
+from kernels import resource_tables
+from kernels.launch import KernelLaunch
+from kernels.reference import attention_reference  # noqa: F401  (imported from here by the tests)
+
+try:  # host-side TMA descriptors, triton >= 3.3
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # older Triton: every launch takes the pointer path
+    TensorDescriptor = None
 
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -76,7 +92,9 @@ INTERPRETER_BLOCKS: dict[str, dict[str, int]] = {
 #   acc   = alpha * acc + P~_j V_j
 # and at the end O = acc / l, LSE = m + log(l) (saved: P can be rebuilt as exp(S - LSE) without
 # storing the T x T matrix). The kernels use base 2: S2 = S * log2(e), exp2 instead of exp, and
-# LSE is stored in the same base-2 units (LSE2 = LSE * log2(e)).
+# LSE is stored in the same base-2 units (LSE2 = LSE * log2(e)). The scale is folded into the
+# exponent: with a = |c| log2(e) and the raw dot X = Q K^T, rowmax(a X) = a rowmax(X) and
+# P~ = exp2(a X - m) is one FFMA per element; a negative c runs as |c| with -Q.
 #
 # Backward, the VJP. Given dO = dL/dO:
 #   dV = P^T dO                        (T, d_vo)
@@ -137,20 +155,49 @@ def _store_tile(
 
 
 @triton.jit
+def _load_rows(
+    ptrs,  # (R, BLOCK_D) pointers to the R rows starting at row `start`, or unused with DESC
+    desc,  # TensorDescriptor over (B, H, T, D), block (1, 1, R, BLOCK_D), or None
+    off_b,  # int32 batch index (descriptor coordinates)
+    off_h,  # int32 head index
+    start,  # int32 first row
+    rows,  # (R,) int32 row indices start + arange(0, R), for the row mask
+    cols,  # (BLOCK_D,) int32 column indices
+    T,  # int: valid rows are < T
+    R: tl.constexpr,  # rows of the tile
+    D: tl.constexpr,  # valid columns are < D
+    BLOCK_D: tl.constexpr,  # padded width
+    CHECK_ROWS: tl.constexpr,  # False where every row is < T
+    TMA: tl.constexpr,  # load through `desc` (a TMA bulk copy on sm_90) instead of `ptrs`
+):
+    """(R, BLOCK_D) tile of a streamed operand, zero outside the valid rows/columns. A descriptor
+    copy zero-fills whatever lies outside (T, D) itself: no mask, no per-thread addresses."""
+    if TMA:
+        tile = desc.load([off_b, off_h, start, 0]).reshape(R, BLOCK_D)
+    else:
+        tile = _load_tile(ptrs, rows, cols, T, D, BLOCK_D, CHECK_ROWS)
+    return tile
+
+
+@triton.jit
 def _attn_fwd_inner(
     acc,  # (BLOCK_M, BLOCK_DVO) fp32 unnormalised output
     l_i,  # (BLOCK_M,) fp32 running softmax denominator
     m_i,  # (BLOCK_M,) fp32 running row max of the base-2 logits
-    q,  # (BLOCK_M, BLOCK_DQK) query tile, input dtype
+    q,  # (BLOCK_M, BLOCK_DQK) query tile, input dtype (negated when the scale is negative)
     k_ptrs,  # (BLOCK_N, BLOCK_DQK) pointers to K[b, h, 0:BLOCK_N, :], advanced by the loop
     v_ptrs,  # (BLOCK_N, BLOCK_DVO) pointers to V[b, h, 0:BLOCK_N, :]
+    k_desc,  # TensorDescriptor of K, or None (KV_TMA False)
+    v_desc,  # TensorDescriptor of V, or None
+    off_b,  # int32 batch index
+    off_h,  # int32 head index
     stride_kt,  # K stride over T
     stride_vt,  # V stride over T
     offs_m,  # (BLOCK_M,) query row indices of this program
     offs_dqk,  # (BLOCK_DQK,) arange
     offs_dvo,  # (BLOCK_DVO,) arange
     T,  # int: sequence length
-    qk_scale,  # fp32: softmax scale * log2(e)
+    qk_scale,  # fp32 >= 0: |softmax scale| * log2(e)
     lo,  # first key row of the loop (multiple of BLOCK_N)
     hi,  # loop end (exclusive)
     D_QK: tl.constexpr,
@@ -160,25 +207,38 @@ def _attn_fwd_inner(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key in [lo, hi) is < T and visible to every row
+    KV_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n  # (BLOCK_N,) key rows
-        k = _load_tile(k_ptrs + start_n * stride_kt, cols, offs_dqk, T, D_QK, BLOCK_DQK, MASKED)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
+        k = _load_rows(
+            k_ptrs + start_n * stride_kt, k_desc, off_b, off_h, start_n, cols, offs_dqk, T,
+            BLOCK_N, D_QK, BLOCK_DQK, MASKED, KV_TMA,
+        )  # fmt: skip
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) unscaled logits
         if MASKED:
             visible = cols[None, :] < T
             if CAUSAL:
                 visible = visible & (cols[None, :] <= offs_m[:, None])
             # Key 0 is visible to every row (also padding rows), so the first block always gives
             # a finite max and later all-masked rows give exp2(-inf) = 0, never NaN.
-            s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # (BLOCK_M,)
+            s = tl.where(visible, qk * qk_scale, float("-inf"))  # (BLOCK_M, BLOCK_N) base-2 logits
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # (BLOCK_M,)
+            p = tl.exp2(s - m_new[:, None])  # (BLOCK_M, BLOCK_N)
+        else:
+            # The scale is folded into the exponent: qk_scale >= 0, so the max of the scaled
+            # logits is the scaled max, and exp2(qk * qk_scale - m) is one FFMA and one MUFU.EX2
+            # per element instead of a separate multiply.
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # (BLOCK_M,)
+            p = tl.exp2(qk * qk_scale - m_new[:, None])  # (BLOCK_M, BLOCK_N)
         alpha = tl.exp2(m_i - m_new)  # (BLOCK_M,) 0 on the first block, where m_i = -inf
-        p = tl.exp2(s - m_new[:, None])  # (BLOCK_M, BLOCK_N)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(v_ptrs + start_n * stride_vt, cols, offs_dvo, T, D_VO, BLOCK_DVO, MASKED)
+        v = _load_rows(
+            v_ptrs + start_n * stride_vt, v_desc, off_b, off_h, start_n, cols, offs_dvo, T,
+            BLOCK_N, D_VO, BLOCK_DVO, MASKED, KV_TMA,
+        )  # fmt: skip
         # P goes to the dot in the input dtype (as V), accumulation stays fp32.
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
@@ -192,6 +252,8 @@ def _attn_fwd_kernel(
     V,  # pointer: (B, H, T, D_VO), input dtype
     O,  # pointer: (B, H, T, D_VO) output, input dtype
     LSE,  # pointer: (B, H, T) contiguous fp32 output, base-2 log-sum-exp of each row's logits
+    K_DESC,  # TensorDescriptor of K (B, H, T, D_QK), block (1, 1, BLOCK_N, BLOCK_DQK); None: use K
+    V_DESC,  # TensorDescriptor of V (B, H, T, D_VO), block (1, 1, BLOCK_N, BLOCK_DVO); None: use V
     stride_qb,  # Q stride over B
     stride_qh,  # Q stride over H
     stride_qt,  # Q stride over T
@@ -211,12 +273,14 @@ def _attn_fwd_kernel(
     H,  # int: number of heads
     T,  # int: sequence length
     T_BUCKET,  # int: next_power_of_2(T); unused in the body, an autotune key only
-    qk_scale,  # fp32: softmax scale * log2(e)
+    qk_scale,  # fp32 >= 0: |softmax scale| * log2(e)
     D_QK: tl.constexpr,  # q/k head width
     D_VO: tl.constexpr,  # v/o head width
     BLOCK_DQK: tl.constexpr,  # D_QK padded to a power of two (>= 16 for tl.dot)
     BLOCK_DVO: tl.constexpr,  # D_VO padded likewise
     CAUSAL: tl.constexpr,
+    NEGATE_Q: tl.constexpr,  # the softmax scale is negative: use -q with |scale|
+    KV_TMA: tl.constexpr,  # K and V through K_DESC / V_DESC (TMA on sm_90) instead of pointers
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32), ignored for fp16/bf16
     BLOCK_M: tl.constexpr,  # query rows per program
     BLOCK_N: tl.constexpr,  # key rows per loop step
@@ -226,8 +290,10 @@ def _attn_fwd_kernel(
     tl.static_assert(BLOCK_DQK >= 16 and BLOCK_DVO >= 16, "tl.dot needs a reduction width of at least 16")
     # grid: (cdiv(T, BLOCK_M), H, B)
     start_m = tl.program_id(0) * BLOCK_M
-    off_h = tl.program_id(1).to(tl.int64)
-    off_b = tl.program_id(2).to(tl.int64)
+    pid_h = tl.program_id(1)
+    pid_b = tl.program_id(2)
+    off_h = pid_h.to(tl.int64)
+    off_b = pid_b.to(tl.int64)
     q_base = Q + off_b * stride_qb + off_h * stride_qh
     k_base = K + off_b * stride_kb + off_h * stride_kh
     v_base = V + off_b * stride_vb + off_h * stride_vh
@@ -239,6 +305,10 @@ def _attn_fwd_kernel(
     offs_dvo = tl.arange(0, BLOCK_DVO)
     q_ptrs = q_base + offs_m[:, None] * stride_qt + offs_dqk[None, :] * stride_qd
     q = _load_tile(q_ptrs, offs_m, offs_dqk, T, D_QK, BLOCK_DQK, True)  # (BLOCK_M, BLOCK_DQK)
+    if NEGATE_Q:
+        # softmax(c q k^T) = softmax(|c| (-q) k^T): with a non-negative factor the loop may scale
+        # the row max instead of every logit. Negation is exact in every dtype.
+        q = -q
     offs_n = tl.arange(0, BLOCK_N)
     k_ptrs = k_base + offs_n[:, None] * stride_kt + offs_dqk[None, :] * stride_kd  # (BLOCK_N, BLOCK_DQK)
     v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_dvo[None, :] * stride_vd  # (BLOCK_N, BLOCK_DVO)
@@ -256,14 +326,14 @@ def _attn_fwd_kernel(
         hi = T
         full_end = (T // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kt, stride_vt,
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, K_DESC, V_DESC, pid_b, pid_h, stride_kt, stride_vt,
         offs_m, offs_dqk, offs_dvo, T, qk_scale, 0, full_end,
-        D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_N, CAUSAL, False, DOT_PRECISION,
+        D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_N, CAUSAL, False, KV_TMA, DOT_PRECISION,
     )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kt, stride_vt,
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, K_DESC, V_DESC, pid_b, pid_h, stride_kt, stride_vt,
         offs_m, offs_dqk, offs_dvo, T, qk_scale, full_end, hi,
-        D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_N, CAUSAL, True, DOT_PRECISION,
+        D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_N, CAUSAL, True, KV_TMA, DOT_PRECISION,
     )  # fmt: skip
 
     o = acc / l_i[:, None]  # (BLOCK_M, BLOCK_DVO); l_i >= 1 since the row max contributes exp2(0)
@@ -316,6 +386,10 @@ def _attn_bwd_dkdv_inner(
     v,  # (BLOCK_N, BLOCK_DVO) this program's value tile
     q_ptrs,  # (BLOCK_M, BLOCK_DQK) pointers to Q[b, h, 0:BLOCK_M, :], advanced by the loop
     do_ptrs,  # (BLOCK_M, BLOCK_DVO) pointers to dO[b, h, 0:BLOCK_M, :]
+    q_desc,  # TensorDescriptor of Q, or None (QDO_TMA False)
+    do_desc,  # TensorDescriptor of dO, or None
+    off_b,  # int32 batch index
+    off_h,  # int32 head index
     lse_base,  # pointer to LSE[b, h, 0]
     delta_base,  # pointer to DELTA[b, h, 0]
     stride_qt,  # Q stride over T
@@ -334,22 +408,30 @@ def _attn_bwd_dkdv_inner(
     BLOCK_M: tl.constexpr,
     CAUSAL: tl.constexpr,
     MASKED: tl.constexpr,  # False: every query in [lo, hi) is < T and sees every key of the block
+    QDO_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # Works on transposed tiles (keys along rows) so dK and dV come out as (BLOCK_N, d) directly.
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m0  # (BLOCK_M,) query rows
-        q = _load_tile(q_ptrs + start_m * stride_qt, rows, offs_dqk, T, D_QK, BLOCK_DQK, MASKED)
-        do = _load_tile(do_ptrs + start_m * stride_dot, rows, offs_dvo, T, D_VO, BLOCK_DVO, MASKED)
+        q = _load_rows(
+            q_ptrs + start_m * stride_qt, q_desc, off_b, off_h, start_m, rows, offs_dqk, T,
+            BLOCK_M, D_QK, BLOCK_DQK, MASKED, QDO_TMA,
+        )  # fmt: skip
+        do = _load_rows(
+            do_ptrs + start_m * stride_dot, do_desc, off_b, off_h, start_m, rows, offs_dvo, T,
+            BLOCK_M, D_VO, BLOCK_DVO, MASKED, QDO_TMA,
+        )  # fmt: skip
         if MASKED:
             lse = tl.load(lse_base + rows, mask=rows < T, other=0.0)  # (BLOCK_M,)
             delta = tl.load(delta_base + rows, mask=rows < T, other=0.0)  # (BLOCK_M,)
         else:
             lse = tl.load(lse_base + rows)
             delta = tl.load(delta_base + rows)
-        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
-        p_t = tl.exp2(s_t - lse[None, :])  # P^T, exact probabilities thanks to the saved LSE
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M) unscaled
+        # P^T, exact probabilities thanks to the saved LSE; the scale folds into one FFMA.
+        p_t = tl.exp2(qk_t * qk_scale - lse[None, :])
         if MASKED:
             visible = rows[None, :] < T
             if CAUSAL:
@@ -372,6 +454,8 @@ def _attn_bwd_dkdv_kernel(
     DELTA,  # pointer: (B, H, T) contiguous fp32, rowsum(dO * O)
     DK,  # pointer: (B, H, T, D_QK) output, input dtype
     DV,  # pointer: (B, H, T, D_VO) output, input dtype
+    Q_DESC,  # TensorDescriptor of Q (B, H, T, D_QK), block (1, 1, BLOCK_M, BLOCK_DQK); None: use Q
+    DO_DESC,  # TensorDescriptor of dO (B, H, T, D_VO), block (1, 1, BLOCK_M, BLOCK_DVO); None: use DO
     stride_qb,  # Q stride over B
     stride_qh,  # Q stride over H
     stride_qt,  # Q stride over T
@@ -406,6 +490,7 @@ def _attn_bwd_dkdv_kernel(
     BLOCK_DQK: tl.constexpr,
     BLOCK_DVO: tl.constexpr,
     CAUSAL: tl.constexpr,
+    QDO_TMA: tl.constexpr,  # Q and dO through Q_DESC / DO_DESC (TMA on sm_90) instead of pointers
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query rows per loop step
     BLOCK_N: tl.constexpr,  # key rows owned by the program
@@ -415,8 +500,10 @@ def _attn_bwd_dkdv_kernel(
     tl.static_assert(BLOCK_DQK >= 16 and BLOCK_DVO >= 16, "tl.dot needs a reduction width of at least 16")
     # grid: (cdiv(T, BLOCK_N), H, B)
     start_n = tl.program_id(0) * BLOCK_N
-    off_h = tl.program_id(1).to(tl.int64)
-    off_b = tl.program_id(2).to(tl.int64)
+    pid_h = tl.program_id(1)
+    pid_b = tl.program_id(2)
+    off_h = pid_h.to(tl.int64)
+    off_b = pid_b.to(tl.int64)
     q_base = Q + off_b * stride_qb + off_h * stride_qh
     k_base = K + off_b * stride_kb + off_h * stride_kh
     v_base = V + off_b * stride_vb + off_h * stride_vh
@@ -447,21 +534,24 @@ def _attn_bwd_dkdv_kernel(
         # first block whose first row is >= the block's last key row
         mid_lo = tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M
         dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, q_ptrs, do_ptrs, lse_base, delta_base, stride_qt, stride_dot,
+            dk, dv, k, v, q_ptrs, do_ptrs, Q_DESC, DO_DESC, pid_b, pid_h,
+        lse_base, delta_base, stride_qt, stride_dot,
             offs_n, offs_dqk, offs_dvo, T, qk_scale, lo, tl.minimum(mid_lo, end),
-            D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_M, CAUSAL, True, DOT_PRECISION,
+            D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_M, CAUSAL, True, QDO_TMA, DOT_PRECISION,
         )  # fmt: skip
     else:
         mid_lo = 0
     dk, dv = _attn_bwd_dkdv_inner(
-        dk, dv, k, v, q_ptrs, do_ptrs, lse_base, delta_base, stride_qt, stride_dot,
+        dk, dv, k, v, q_ptrs, do_ptrs, Q_DESC, DO_DESC, pid_b, pid_h,
+        lse_base, delta_base, stride_qt, stride_dot,
         offs_n, offs_dqk, offs_dvo, T, qk_scale, mid_lo, mid_hi,
-        D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_M, CAUSAL, False, DOT_PRECISION,
+        D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_M, CAUSAL, False, QDO_TMA, DOT_PRECISION,
     )  # fmt: skip
     dk, dv = _attn_bwd_dkdv_inner(
-        dk, dv, k, v, q_ptrs, do_ptrs, lse_base, delta_base, stride_qt, stride_dot,
+        dk, dv, k, v, q_ptrs, do_ptrs, Q_DESC, DO_DESC, pid_b, pid_h,
+        lse_base, delta_base, stride_qt, stride_dot,
         offs_n, offs_dqk, offs_dvo, T, qk_scale, tl.maximum(mid_lo, mid_hi), end,
-        D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_M, CAUSAL, True, DOT_PRECISION,
+        D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_M, CAUSAL, True, QDO_TMA, DOT_PRECISION,
     )  # fmt: skip
 
     dk = dk * sm_scale  # dK = c * dS^T Q
@@ -482,6 +572,10 @@ def _attn_bwd_dq_inner(
     delta,  # (BLOCK_M,) fp32 rowsum(dO * O) of these rows
     k_ptrs,  # (BLOCK_N, BLOCK_DQK) pointers to K[b, h, 0:BLOCK_N, :], advanced by the loop
     v_ptrs,  # (BLOCK_N, BLOCK_DVO) pointers to V[b, h, 0:BLOCK_N, :]
+    k_desc,  # TensorDescriptor of K, or None (KV_TMA False)
+    v_desc,  # TensorDescriptor of V, or None
+    off_b,  # int32 batch index
+    off_h,  # int32 head index
     stride_kt,  # K stride over T
     stride_vt,  # V stride over T
     offs_m,  # (BLOCK_M,) query row indices of this program
@@ -498,15 +592,22 @@ def _attn_bwd_dq_inner(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key in [lo, hi) is < T and visible to every row
+    KV_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n  # (BLOCK_N,) key rows
-        k = _load_tile(k_ptrs + start_n * stride_kt, cols, offs_dqk, T, D_QK, BLOCK_DQK, MASKED)
-        v = _load_tile(v_ptrs + start_n * stride_vt, cols, offs_dvo, T, D_VO, BLOCK_DVO, MASKED)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
-        p = tl.exp2(s - lse[:, None])
+        k = _load_rows(
+            k_ptrs + start_n * stride_kt, k_desc, off_b, off_h, start_n, cols, offs_dqk, T,
+            BLOCK_N, D_QK, BLOCK_DQK, MASKED, KV_TMA,
+        )  # fmt: skip
+        v = _load_rows(
+            v_ptrs + start_n * stride_vt, v_desc, off_b, off_h, start_n, cols, offs_dvo, T,
+            BLOCK_N, D_VO, BLOCK_DVO, MASKED, KV_TMA,
+        )  # fmt: skip
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) unscaled
+        p = tl.exp2(qk * qk_scale - lse[:, None])  # the scale folds into one FFMA
         if MASKED:
             visible = cols[None, :] < T
             if CAUSAL:
@@ -527,6 +628,8 @@ def _attn_bwd_dq_kernel(
     LSE,  # pointer: (B, H, T) contiguous fp32, base-2 log-sum-exp from the forward
     DELTA,  # pointer: (B, H, T) contiguous fp32, rowsum(dO * O)
     DQ,  # pointer: (B, H, T, D_QK) output, input dtype
+    K_DESC,  # TensorDescriptor of K (B, H, T, D_QK), block (1, 1, BLOCK_N, BLOCK_DQK); None: use K
+    V_DESC,  # TensorDescriptor of V (B, H, T, D_VO), block (1, 1, BLOCK_N, BLOCK_DVO); None: use V
     stride_qb,  # Q stride over B
     stride_qh,  # Q stride over H
     stride_qt,  # Q stride over T
@@ -557,6 +660,7 @@ def _attn_bwd_dq_kernel(
     BLOCK_DQK: tl.constexpr,
     BLOCK_DVO: tl.constexpr,
     CAUSAL: tl.constexpr,
+    KV_TMA: tl.constexpr,  # K and V through K_DESC / V_DESC (TMA on sm_90) instead of pointers
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query rows owned by the program
     BLOCK_N: tl.constexpr,  # key rows per loop step
@@ -566,8 +670,10 @@ def _attn_bwd_dq_kernel(
     tl.static_assert(BLOCK_DQK >= 16 and BLOCK_DVO >= 16, "tl.dot needs a reduction width of at least 16")
     # grid: (cdiv(T, BLOCK_M), H, B)
     start_m = tl.program_id(0) * BLOCK_M
-    off_h = tl.program_id(1).to(tl.int64)
-    off_b = tl.program_id(2).to(tl.int64)
+    pid_h = tl.program_id(1)
+    pid_b = tl.program_id(2)
+    off_h = pid_h.to(tl.int64)
+    off_b = pid_b.to(tl.int64)
     q_base = Q + off_b * stride_qb + off_h * stride_qh
     k_base = K + off_b * stride_kb + off_h * stride_kh
     v_base = V + off_b * stride_vb + off_h * stride_vh
@@ -597,14 +703,14 @@ def _attn_bwd_dq_kernel(
         hi = T
         full_end = (T // BLOCK_N) * BLOCK_N
     dq = _attn_bwd_dq_inner(
-        dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kt, stride_vt,
+        dq, q, do, lse, delta, k_ptrs, v_ptrs, K_DESC, V_DESC, pid_b, pid_h, stride_kt, stride_vt,
         offs_m, offs_dqk, offs_dvo, T, qk_scale, 0, full_end,
-        D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_N, CAUSAL, False, DOT_PRECISION,
+        D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_N, CAUSAL, False, KV_TMA, DOT_PRECISION,
     )  # fmt: skip
     dq = _attn_bwd_dq_inner(
-        dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kt, stride_vt,
+        dq, q, do, lse, delta, k_ptrs, v_ptrs, K_DESC, V_DESC, pid_b, pid_h, stride_kt, stride_vt,
         offs_m, offs_dqk, offs_dvo, T, qk_scale, full_end, hi,
-        D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_N, CAUSAL, True, DOT_PRECISION,
+        D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_N, CAUSAL, True, KV_TMA, DOT_PRECISION,
     )  # fmt: skip
 
     dq = dq * sm_scale  # dQ = c * dS K
@@ -614,7 +720,7 @@ def _attn_bwd_dq_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
-# Autotuning (GPU only).
+# Tiling candidates and their pruning (GPU only).
 # ----------------------------------------------------------------------------------------------
 
 # The tiling that wins depends on the head widths, the mask, the dtype (added to the key by Triton
@@ -622,26 +728,30 @@ def _attn_bwd_dq_kernel(
 # not matter, so T enters the key as a power-of-two bucket and a new length does not re-tune.
 _TUNE_KEY = ["T_BUCKET", "D_QK", "D_VO", "CAUSAL"]
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages)
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). Every config compiles without spilling at the head
+# widths up to 64 on sm_80 and sm_90 (kernels/targets/*.json); wider heads rely on the pruner.
+# A 128-row tile takes 8 warps: with 4, the (128, d) fp32 accumulator alone is d registers per
+# thread and the scores tile comes on top (128 x 64, 4 warps spilled 1.2 KB at d = 128 on sm_90).
 _FWD_CONFIGS = [
-    (128, 64, 4, 3),
+    (128, 64, 8, 4),
     (128, 64, 8, 3),
     (128, 128, 8, 2),
     (128, 32, 4, 4),
-    (64, 64, 4, 3),
+    (64, 64, 4, 2),
     (64, 32, 4, 4),
     (64, 128, 4, 2),
     (32, 32, 4, 2),
 ]
-# dK/dV: a program owns BLOCK_N keys and streams BLOCK_M queries, so the key block is the big one.
+# dK/dV: a program owns BLOCK_N keys and streams BLOCK_M queries, so the key block is the big one;
+# its two (BLOCK_N, d) fp32 accumulators want 8 warps at BLOCK_N = 128 (and at d = 256).
 _DKDV_CONFIGS = [
     (32, 128, 8, 2),
     (64, 128, 8, 2),
-    (32, 128, 4, 3),
+    (32, 128, 8, 3),
     (32, 64, 4, 3),
-    (64, 64, 4, 2),
     (16, 64, 4, 3),
     (32, 32, 4, 2),
+    (32, 32, 8, 2),
 ]
 # dQ: a program owns BLOCK_M queries and streams BLOCK_N keys.
 _DQ_CONFIGS = [
@@ -649,9 +759,16 @@ _DQ_CONFIGS = [
     (128, 64, 8, 2),
     (64, 32, 4, 3),
     (64, 64, 4, 2),
-    (32, 64, 4, 3),
+    (32, 64, 4, 2),
     (32, 32, 4, 2),
 ]
+CONFIGS = {"fwd": _FWD_CONFIGS, "dkdv": _DKDV_CONFIGS, "dq": _DQ_CONFIGS}
+# Report and resource-table names of the tuned kernels.
+KERNEL_NAMES = {"fwd": "attn_fwd", "dkdv": "attn_bwd_dkdv", "dq": "attn_bwd_dq"}
+DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+# TMA (tensor-memory-accelerator) bulk copies exist from sm_90 (Hopper) on.
+TMA_MIN_CAPABILITY = 90
 
 
 @functools.cache
@@ -663,57 +780,184 @@ def _max_shared_memory(device_index: int) -> int:
         return 99 * 1024
 
 
-def _make_pruner(kind: str) -> Callable:
-    """Build an `early_config_prune` that drops tilings the head widths make infeasible or wasteful.
+@functools.cache
+def _capability(device_index: int) -> int | None:
+    """Compute capability of a CUDA device as one int (90 for 9.0); None when it cannot be read."""
+    try:
+        major, minor = torch.cuda.get_device_capability(device_index)
+    except Exception:  # no CUDA (e.g. a CPU-only build asked about a fake device)
+        return None
+    return 10 * major + minor
 
-    Shared memory is estimated as the tiles resident for the whole program plus `num_stages` copies
-    of the streamed tiles plus one (BLOCK_M, BLOCK_N) tile for P / dS; configs over the device
-    budget would fail to compile (or spill) at large head widths. Accumulators over ~128 fp32
-    registers per thread would spill. Blocks larger than the whole sequence only waste work.
+
+def _launch_capability(device: torch.device) -> int | None:
+    """The capability the kernels are compiled for: None on the CPU interpreter."""
+    if device.type != "cuda" or _INTERPRET:
+        return None
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _estimate(kind: str, block_m: int, block_n: int, num_warps: int, num_stages: int, meta: dict, elem: int):
+    """(shared bytes, fp32 tile values per thread) a config needs, estimated from its tiles.
+
+    Shared memory: the tiles resident for the whole program, `num_stages` copies of the streamed
+    tiles and one (BLOCK_M, BLOCK_N) tile for P / dS. Registers: the fp32 accumulators plus the
+    (BLOCK_M, BLOCK_N) score tile(s) live across the loop body, per thread."""
+    dqk, dvo = meta["BLOCK_DQK"], meta["BLOCK_DVO"]
+    scores = block_m * block_n
+    if kind == "fwd":  # Q resident; K, V streamed; acc (BM, dvo); S/P
+        resident, streamed, acc, tiles = block_m * dqk, block_n * (dqk + dvo), block_m * dvo, 1
+    elif kind == "dkdv":  # K, V resident; Q, dO streamed; dK, dV accumulators; P^T and dP^T
+        resident, streamed, acc, tiles = (
+            block_n * (dqk + dvo),
+            block_m * (dqk + dvo),
+            block_n * (dqk + dvo),
+            2,
+        )
+    else:  # dq: Q, dO resident; K, V streamed; dQ accumulator; P and dP
+        resident, streamed, acc, tiles = block_m * (dqk + dvo), block_n * (dqk + dvo), block_m * dqk, 2
+    smem = (resident + num_stages * streamed + scores) * elem
+    return smem, (acc + tiles * scores) // (num_warps * 32)
+
+
+# Last-resort rule where nothing was measured (see prune_configs): at most this many fp32 tile
+# values per thread, the old accumulator bound with the score tiles added. Rough: the tables show
+# ptxas spilling a few bytes below it (a 32 x 32 forward tile at d = 128 on sm_80).
+ESTIMATE_MAX_VALUES_PER_THREAD = 128
+
+
+def _estimate_fits(kind: str, cfg: triton.Config, meta: dict, elem: int, smem_per_block: int) -> bool:
+    smem, values = _estimate(
+        kind, cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages, meta, elem
+    )
+    return smem <= smem_per_block and values <= ESTIMATE_MAX_VALUES_PER_THREAD
+
+
+def _lookup(table: resource_tables.ResourceTable, kind: str, args: dict, cfg: triton.Config):
+    """The table's row for this launch and config: the exact head widths, else the padded ones
+    (the same tiles, without the column masks); None when the table lacks the case."""
+    kernel, dtype = KERNEL_NAMES[kind], DTYPE_NAMES[args["Q"].dtype]
+    loads = "tma" if args.get("KV_TMA") or args.get("QDO_TMA") else "ptr"
+    config = resource_tables.config_key(
+        cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages
+    )
+    for d_qk, d_vo in ((args["D_QK"], args["D_VO"]), (args["BLOCK_DQK"], args["BLOCK_DVO"])):
+        case = resource_tables.case_key(d_qk, d_vo, bool(args["CAUSAL"]), loads)
+        if table.has_case(kernel, dtype, case):
+            return table.lookup(kernel, dtype, case, config)
+    return None
+
+
+def measured(
+    kind: str, args: dict, cfg: triton.Config, capability: int | None
+) -> resource_tables.Measured | None:
+    """What the checked-in table of this target, made by the installed Triton, measured for `cfg`
+    in this launch; None when there is no such table or it lacks the case."""
+    table = resource_tables.current_table(capability, triton.__version__)
+    return _lookup(table, kind, args, cfg) if table is not None else None
+
+
+def measured_anywhere(kind: str, args: dict, cfg: triton.Config) -> list[resource_tables.Measured]:
+    """The rows of every checked-in table (any target, any Triton version) for `cfg` in this launch."""
+    tables = [resource_tables.load_table(c) for c in resource_tables.table_capabilities()]
+    rows = [_lookup(table, kind, args, cfg) for table in tables]
+    return [row for row in rows if row is not None]
+
+
+def prune_configs(
+    kind: str, configs: list[triton.Config], args: dict, capability: int | None, smem_per_block: int
+) -> list[triton.Config]:
+    """The configs worth timing for one launch (`args`: its arguments by name) on a GPU of
+    `capability` (90 for sm_90; None: unknown) whose CTAs may use `smem_per_block` bytes.
+
+    1. fp32 inputs use IEEE dots on FMA units, where big tiles gain nothing and take 30-100 s
+       each to compile (measured for sm_90): at most 64 x 32.
+    2. Resources: a config must compile without spilling and launch, as measured by
+       `python -m kernels.inspect --update-table` into `kernels/targets/sm_XX.json`:
+       a. the table of this target made by the installed Triton, when it covers the head widths
+          (exactly, or their padded powers of two): what it says;
+       b. otherwise (another Triton version, a GPU without a table: sm_86, sm_89, sm_100, ...):
+          the config must fit in every table that covers the case, and its largest measured
+          shared memory must fit this device;
+       c. nothing measured (fp32, a head-width pair no table has): `_estimate_fits`, a rough rule.
+    3. Blocks longer than the whole sequence only waste work: dropped while others remain.
+    Never returns nothing: the config with the least estimated shared memory is the last resort.
     """
+    elem = args["Q"].element_size()
+    if elem == 4:
+        configs = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 32]
+
+    def fits(cfg: triton.Config) -> bool:
+        known = measured(kind, args, cfg, capability)
+        if known is not None:
+            return known.fits
+        elsewhere = measured_anywhere(kind, args, cfg)
+        if elsewhere:
+            return all(m.fits for m in elsewhere) and max(m.smem_bytes for m in elsewhere) <= smem_per_block
+        return _estimate_fits(kind, cfg, args, elem, smem_per_block)
+
+    feasible = [c for c in configs if fits(c)]
+    t_bucket = args["T_BUCKET"]
+    sized = [c for c in feasible if max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) <= max(t_bucket, 32)]
+    if sized or feasible:
+        return sized or feasible
+    smem = lambda c: _estimate(
+        kind, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, args, elem
+    )
+    return [min(configs, key=lambda c: smem(c)[0])]
+
+
+def _make_pruner(kind: str) -> Callable:
+    """The autotuner's `early_config_prune`: `prune_configs` for the launching device."""
 
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
         args = {**named_args, **kwargs}
-        dqk, dvo = args["BLOCK_DQK"], args["BLOCK_DVO"]
-        elem = args["Q"].element_size()
         device = args["Q"].device
-        budget = _max_shared_memory(device.index if device.index is not None else torch.cuda.current_device())
-        t_bucket = args["T_BUCKET"]
-
-        def cost(cfg: triton.Config) -> tuple[int, int]:
-            bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
-            if kind == "fwd":  # Q resident; K, V streamed; acc (BM, dvo)
-                resident, streamed, acc = bm * dqk, bn * (dqk + dvo), bm * dvo
-            elif kind == "dkdv":  # K, V resident; Q, dO streamed; dK, dV accumulators
-                resident, streamed, acc = bn * (dqk + dvo), bm * (dqk + dvo), bn * (dqk + dvo)
-            else:  # dq: Q, dO resident; K, V streamed; dQ accumulator
-                resident, streamed, acc = bm * (dqk + dvo), bn * (dqk + dvo), bm * dqk
-            smem = (resident + cfg.num_stages * streamed + bm * bn) * elem
-            regs_per_thread = acc // (cfg.num_warps * 32)
-            return smem, regs_per_thread
-
-        if elem == 4:
-            # fp32 inputs use IEEE dots, which run on FMA units rather than tensor cores: large
-            # tiles gain nothing there and take 30-100 s each to compile (measured for sm_90).
-            configs = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 32]
-        feasible = [c for c in configs if cost(c)[0] <= budget and cost(c)[1] <= 128]
-        sized = [c for c in feasible if max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) <= max(t_bucket, 32)]
-        # Never return nothing: fall back to the cheapest tiling, which is the likeliest to compile.
-        return sized or feasible or [min(configs, key=lambda c: cost(c)[0])]
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return prune_configs(kind, configs, args, _capability(index), _max_shared_memory(index))
 
     return prune
 
 
-def _autotuned(kernel: triton.runtime.JITFunction, configs: list[tuple[int, int, int, int]], kind: str):
-    """Wrap `kernel` in triton.autotune, persisting results to disk where this Triton supports it."""
+# Tensor-descriptor arguments and the block shape a tiling gives each: (1, 1, rows, padded width).
+_DESCRIPTOR_TILES = {
+    "K_DESC": ("BLOCK_N", "BLOCK_DQK"),
+    "V_DESC": ("BLOCK_N", "BLOCK_DVO"),
+    "Q_DESC": ("BLOCK_M", "BLOCK_DQK"),
+    "DO_DESC": ("BLOCK_M", "BLOCK_DVO"),
+}
+
+
+def _shape_descriptors(nargs: dict) -> None:
+    """Give each tensor descriptor among the arguments the block shape of the launch's tiling
+    (a no-op while the tiling is still open). The autotune configs run this as their pre-hook."""
+    for name, (rows, cols) in _DESCRIPTOR_TILES.items():
+        desc = nargs.get(name)
+        if desc is not None and rows in nargs:
+            desc.block_shape = [1, 1, nargs[rows], nargs[cols]]
+
+
+def _tuning_configs(kind: str, tma: bool) -> list[triton.Config]:
+    return [
+        triton.Config(
+            {"BLOCK_M": bm, "BLOCK_N": bn},
+            num_warps=w,
+            num_stages=s,
+            pre_hook=_shape_descriptors if tma else None,
+        )
+        for bm, bn, w, s in CONFIGS[kind]
+    ]
+
+
+def _autotuned(kernel: triton.runtime.JITFunction, kind: str, tma: bool):
+    """Wrap `kernel` in triton.autotune. Without descriptors the results persist to disk where this
+    Triton supports it; Triton cannot persist configs with pre-hooks, so the TMA variant re-tunes
+    once per process."""
     extra = {}
-    if "cache_results" in inspect.signature(triton.autotune).parameters:  # triton >= 3.2
+    if not tma and "cache_results" in inspect.signature(triton.autotune).parameters:  # triton >= 3.2
         extra["cache_results"] = True  # a second process reuses the tuned choice without re-timing
     return triton.autotune(
-        configs=[
-            triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in configs
-        ],
+        configs=_tuning_configs(kind, tma),
         key=_TUNE_KEY,
         prune_configs_by={"early_config_prune": _make_pruner(kind)},
         **extra,
@@ -722,13 +966,16 @@ def _autotuned(kernel: triton.runtime.JITFunction, configs: list[tuple[int, int,
 
 if _INTERPRET:
     # Launch the plain kernels with INTERPRETER_BLOCKS (see `_blocks`).
-    _attn_fwd = _attn_fwd_kernel
-    _attn_bwd_dkdv = _attn_bwd_dkdv_kernel
-    _attn_bwd_dq = _attn_bwd_dq_kernel
+    _attn_fwd = _attn_fwd_tma = _attn_fwd_kernel
+    _attn_bwd_dkdv = _attn_bwd_dkdv_tma = _attn_bwd_dkdv_kernel
+    _attn_bwd_dq = _attn_bwd_dq_tma = _attn_bwd_dq_kernel
 else:
-    _attn_fwd = _autotuned(_attn_fwd_kernel, _FWD_CONFIGS, "fwd")
-    _attn_bwd_dkdv = _autotuned(_attn_bwd_dkdv_kernel, _DKDV_CONFIGS, "dkdv")
-    _attn_bwd_dq = _autotuned(_attn_bwd_dq_kernel, _DQ_CONFIGS, "dq")
+    _attn_fwd = _autotuned(_attn_fwd_kernel, "fwd", tma=False)
+    _attn_fwd_tma = _autotuned(_attn_fwd_kernel, "fwd", tma=True)
+    _attn_bwd_dkdv = _autotuned(_attn_bwd_dkdv_kernel, "dkdv", tma=False)
+    _attn_bwd_dkdv_tma = _autotuned(_attn_bwd_dkdv_kernel, "dkdv", tma=True)
+    _attn_bwd_dq = _autotuned(_attn_bwd_dq_kernel, "dq", tma=False)
+    _attn_bwd_dq_tma = _autotuned(_attn_bwd_dq_kernel, "dq", tma=True)
 
 # The preprocess is a memory-bound row reduction; one tiling is fine everywhere.
 _PREPROCESS_BLOCK_M = 64
@@ -818,6 +1065,186 @@ def _head_meta(d_qk: int, d_vo: int, dtype: torch.dtype) -> dict:
     }
 
 
+def _tma_compatible(t: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can address `t` (B, H, T, d): a unit last stride, a 16-byte aligned
+    base and 16-byte multiples for the other strides. Anything else takes the cp.async path."""
+    elem = t.element_size()
+    return (
+        t.stride(3) == 1
+        and t.data_ptr() % 16 == 0
+        and all(s > 0 and s * elem % 16 == 0 for s in t.stride()[:3])
+    )
+
+
+def _descriptors(
+    capability: int | None, allow_tma: bool, *tensors: torch.Tensor
+) -> tuple[TensorDescriptor | None, ...]:
+    """Tensor descriptors over `tensors` (each (B, H, T, d)) when the target has TMA, `allow_tma`
+    and every tensor suits it, else Nones. Block shapes are set per tiling by `_shape_descriptors`."""
+    if not allow_tma or TensorDescriptor is None or capability is None or capability < TMA_MIN_CAPABILITY:
+        return (None,) * len(tensors)
+    if not all(_tma_compatible(t) for t in tensors):
+        return (None,) * len(tensors)
+    padded = lambda d: max(16, triton.next_power_of_2(d))
+    return tuple(
+        TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 16, padded(t.shape[3])]) for t in tensors
+    )
+
+
+def _pruner(kind: str, launch: KernelLaunch) -> Callable:
+    return lambda configs, capability, smem: prune_configs(
+        kind, configs, launch.named_args(), capability, smem
+    )
+
+
+def forward_launch(
+    q: torch.Tensor,  # (B, H, T, d_qk)
+    k: torch.Tensor,  # (B, H, T, d_qk)
+    v: torch.Tensor,  # (B, H, T, d_vo)
+    o: torch.Tensor,  # (B, H, T, d_vo) output
+    lse: torch.Tensor,  # (B, H, T) fp32 output
+    causal: bool,
+    sm_scale: float,
+    capability: int | None,
+    allow_tma: bool = True,
+) -> KernelLaunch:
+    """The forward kernel's launch for a GPU of `capability` (90: sm_90, None: the interpreter).
+    On sm_90 K and V stream through TMA descriptors when their layout allows (and `allow_tma`;
+    False forces the pointer path, which inputs TMA cannot address take anyway)."""
+    B, H, T, d_qk = q.shape
+    k_desc, v_desc = _descriptors(capability, allow_tma, k, v)
+    tma = k_desc is not None
+    launch = KernelLaunch(
+        name=KERNEL_NAMES["fwd"],
+        kernel=_attn_fwd_kernel,
+        grid=lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B),
+        args=(
+            q,
+            k,
+            v,
+            o,
+            lse,
+            k_desc,
+            v_desc,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *o.stride(),
+            H,
+            T,
+            triton.next_power_of_2(T),
+            abs(sm_scale) * LOG2E,
+        ),  # fmt: skip
+        kwargs={
+            "CAUSAL": bool(causal),
+            "NEGATE_Q": sm_scale < 0,
+            "KV_TMA": tma,
+            **_head_meta(d_qk, v.shape[3], q.dtype),
+            **_blocks("fwd"),
+        },
+        # A fixed tiling (the interpreter's, or a test's) launches the kernel itself, untuned.
+        tuned=None if _blocks("fwd") else (_attn_fwd_tma if tma else _attn_fwd),
+        configs=_tuning_configs("fwd", tma),
+        pre_hook=_shape_descriptors,
+    )
+    launch.prune = _pruner("fwd", launch)
+    return launch
+
+
+def backward_launches(
+    do: torch.Tensor,  # (B, H, T, d_vo), in the input dtype
+    q: torch.Tensor,  # (B, H, T, d_qk)
+    k: torch.Tensor,  # (B, H, T, d_qk)
+    v: torch.Tensor,  # (B, H, T, d_vo)
+    o: torch.Tensor,  # (B, H, T, d_vo)
+    lse: torch.Tensor,  # (B, H, T) contiguous fp32
+    delta: torch.Tensor,  # (B, H, T) contiguous fp32 output of the preprocess
+    dq: torch.Tensor,  # (B, H, T, d_qk) output
+    dk: torch.Tensor,  # (B, H, T, d_qk) output
+    dv: torch.Tensor,  # (B, H, T, d_vo) output
+    causal: bool,
+    sm_scale: float,
+    capability: int | None,
+    allow_tma: bool = True,
+) -> list[KernelLaunch]:
+    """The backward's three launches, in order: delta = rowsum(dO * O), then dK/dV, then dQ. On
+    sm_90 the streamed operands (Q and dO for dK/dV, K and V for dQ) go through TMA descriptors
+    when their layout allows."""
+    B, H, T, d_qk = q.shape
+    d_vo = v.shape[3]
+    meta = _head_meta(d_qk, d_vo, q.dtype)
+    scales = (H, T, triton.next_power_of_2(T), sm_scale, sm_scale * LOG2E)
+    pre_block = INTERPRETER_BLOCKS["preprocess"]["BLOCK_M"] if _INTERPRET else _PREPROCESS_BLOCK_M
+    preprocess = KernelLaunch(
+        name="attn_bwd_preprocess",
+        kernel=_attn_bwd_preprocess_kernel,
+        grid=(triton.cdiv(T, pre_block), H, B),
+        args=(o, do, delta, *o.stride(), *do.stride(), H, T),
+        kwargs={"D_VO": d_vo, "BLOCK_DVO": meta["BLOCK_DVO"], "BLOCK_M": pre_block},
+    )
+
+    q_desc, do_desc = _descriptors(capability, allow_tma, q, do)
+    dkdv = KernelLaunch(
+        name=KERNEL_NAMES["dkdv"],
+        kernel=_attn_bwd_dkdv_kernel,
+        grid=lambda m: (triton.cdiv(T, m["BLOCK_N"]), H, B),
+        args=(
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            dk,
+            dv,
+            q_desc,
+            do_desc,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *do.stride(),
+            *dk.stride(),
+            *dv.stride(),
+            *scales,
+        ),  # fmt: skip
+        kwargs={"CAUSAL": bool(causal), "QDO_TMA": q_desc is not None, **meta, **_blocks("dkdv")},
+        tuned=None if _blocks("dkdv") else (_attn_bwd_dkdv_tma if q_desc is not None else _attn_bwd_dkdv),
+        configs=_tuning_configs("dkdv", q_desc is not None),
+        pre_hook=_shape_descriptors,
+    )
+    dkdv.prune = _pruner("dkdv", dkdv)
+
+    k_desc, v_desc = _descriptors(capability, allow_tma, k, v)
+    dq_launch = KernelLaunch(
+        name=KERNEL_NAMES["dq"],
+        kernel=_attn_bwd_dq_kernel,
+        grid=lambda m: (triton.cdiv(T, m["BLOCK_M"]), H, B),
+        args=(
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            dq,
+            k_desc,
+            v_desc,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *do.stride(),
+            *dq.stride(),
+            *scales,
+        ),  # fmt: skip
+        kwargs={"CAUSAL": bool(causal), "KV_TMA": k_desc is not None, **meta, **_blocks("dq")},
+        tuned=None if _blocks("dq") else (_attn_bwd_dq_tma if k_desc is not None else _attn_bwd_dq),
+        configs=_tuning_configs("dq", k_desc is not None),
+        pre_hook=_shape_descriptors,
+    )
+    dq_launch.prune = _pruner("dq", dq_launch)
+    return [preprocess, dkdv, dq_launch]
+
+
 def flash_attention_forward(
     q: torch.Tensor,  # (B, H, T, d_qk)
     k: torch.Tensor,  # (B, H, T, d_qk)
@@ -828,18 +1255,11 @@ def flash_attention_forward(
     """Return o (B, H, T, d_vo) in the input dtype and lse (B, H, T) fp32 in base 2 (log2 sum exp2 of
     the scaled logits times log2(e)), which the backward needs."""
     _check_inputs(q, k, v)
-    B, H, T, d_qk = q.shape
-    d_vo = v.shape[3]
-    sm_scale = _softmax_scale(scale, d_qk)
-    o = torch.empty((B, H, T, d_vo), dtype=q.dtype, device=q.device)  # (B, H, T, d_vo)
+    B, H, T, _ = q.shape
+    sm_scale = _softmax_scale(scale, q.shape[3])
+    o = torch.empty((B, H, T, v.shape[3]), dtype=q.dtype, device=q.device)  # (B, H, T, d_vo)
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)  # (B, H, T)
-    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B)
-    _attn_fwd[grid](
-        q, k, v, o, lse,
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-        H, T, triton.next_power_of_2(T), sm_scale * LOG2E,
-        CAUSAL=bool(causal), **_head_meta(d_qk, d_vo, q.dtype), **_blocks("fwd"),
-    )  # fmt: skip
+    forward_launch(q, k, v, o, lse, causal, sm_scale, _launch_capability(q.device)).run()
     return o, lse
 
 
@@ -860,38 +1280,16 @@ def flash_attention_backward(
             f"flash_attention_backward: do {tuple(do.shape)} must match o {tuple(o.shape)} and lse "
             f"{tuple(lse.shape)} must be (B, H, T) = {tuple(q.shape[:3])}"
         )
-    B, H, T, d_qk = q.shape
-    d_vo = v.shape[3]
-    sm_scale = _softmax_scale(scale, d_qk)
+    sm_scale = _softmax_scale(scale, q.shape[3])
     do = do.to(q.dtype)  # autograd may hand a gradient in another dtype (e.g. under autocast)
     lse = lse.contiguous()  # (B, H, T), indexed as (b * H + h) * T + t
-    meta = _head_meta(d_qk, d_vo, q.dtype)
-
-    delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)  # (B, H, T) rowsum(dO * O)
-    pre_block = INTERPRETER_BLOCKS["preprocess"]["BLOCK_M"] if _INTERPRET else _PREPROCESS_BLOCK_M
-    _attn_bwd_preprocess_kernel[(triton.cdiv(T, pre_block), H, B)](
-        o, do, delta,
-        *o.stride(), *do.stride(),
-        H, T,
-        D_VO=d_vo, BLOCK_DVO=meta["BLOCK_DVO"], BLOCK_M=pre_block,
-    )  # fmt: skip
-
+    delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)  # (B, H, T) rowsum(dO * O)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (B, H, T, d_qk)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # (B, H, T, d_qk)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # (B, H, T, d_vo)
-    t_bucket = triton.next_power_of_2(T)
-    _attn_bwd_dkdv[lambda m: (triton.cdiv(T, m["BLOCK_N"]), H, B)](
-        q, k, v, do, lse, delta, dk, dv,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-        H, T, t_bucket, sm_scale, sm_scale * LOG2E,
-        CAUSAL=bool(causal), **meta, **_blocks("dkdv"),
-    )  # fmt: skip
-    _attn_bwd_dq[lambda m: (triton.cdiv(T, m["BLOCK_M"]), H, B)](
-        q, k, v, do, lse, delta, dq,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-        H, T, t_bucket, sm_scale, sm_scale * LOG2E,
-        CAUSAL=bool(causal), **meta, **_blocks("dq"),
-    )  # fmt: skip
+    capability = _launch_capability(q.device)
+    for launch in backward_launches(do, q, k, v, o, lse, delta, dq, dk, dv, causal, sm_scale, capability):
+        launch.run()
     return dq, dk, dv
 
 
@@ -931,23 +1329,3 @@ def flash_attention(
     scale=None means 1/sqrt(d_qk). Causal: key j is visible to query i iff j <= i.
     """
     return FlashAttentionFunction.apply(q, k, v, causal, scale)
-
-
-def attention_reference(
-    q: torch.Tensor,  # (B, H, T, d_qk)
-    k: torch.Tensor,  # (B, H, T, d_qk)
-    v: torch.Tensor,  # (B, H, T, d_vo)
-    causal: bool = True,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """The definition the kernels are tested against: fp32 matmul + softmax (float64 stays float64),
-    materialising the (T, T) matrix; returned in the input dtype."""
-    d_qk, T = q.shape[-1], q.shape[-2]
-    sm_scale = 1.0 / math.sqrt(d_qk) if scale is None else scale
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    s = (q.to(compute) @ k.to(compute).transpose(-2, -1)) * sm_scale  # (B, H, T, T)
-    if causal:
-        visible = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()  # key j <= query i
-        s = s.masked_fill(~visible, float("-inf"))
-    p = torch.softmax(s, dim=-1)  # (B, H, T, T)
-    return (p @ v.to(compute)).to(q.dtype)  # (B, H, T, d_vo)

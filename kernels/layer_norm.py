@@ -21,7 +21,7 @@ way the output is meaningless; use an eps formula when constant rows can occur.
 Files follow the kernel pattern of docs/DESIGN.md: `_layer_norm_fwd_kernel` / `_layer_norm_bwd_kernel`
 (private, @triton.jit) -> host launchers `layer_norm_forward` / `layer_norm_backward` ->
 `LayerNormFunction` / `AddLayerNormFunction` -> `layer_norm` / `add_layer_norm`. The plain torch
-references `layer_norm_reference` / `add_layer_norm_reference` sit beside them.
+references `layer_norm_reference` / `add_layer_norm_reference` are in kernels/reference.py.
 
 Statistics are always fp32; inputs may be fp32, fp16 or bf16 and outputs come back in the
 input dtype. (Under the Triton CPU interpreter, triton 3.x, the final fp32 -> bf16 rounding is
@@ -40,6 +40,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import KernelLaunch
+from kernels.reference import (  # noqa: F401  (the tests import the references from here too)
+    LAYER_NORM_FORMULAS,
+    add_layer_norm_reference,
+    layer_norm_reference,
+)
+
 __all__ = [
     "FORMULAS",
     "MAX_N",
@@ -54,19 +61,24 @@ __all__ = [
 ]
 
 # Formula name -> the constexpr int the kernels branch on.
-FORMULAS: dict[str, int] = {"sqrt_var_eps": 0, "std_plus_eps": 1, "exact": 2}
+FORMULAS: dict[str, int] = {name: i for i, name in enumerate(LAYER_NORM_FORMULAS)}  # -> FORMULA constexpr
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 MAX_N = 65536  # widest row accepted (the issue's limit; wide rows loop over column chunks)
 # Widest row one program keeps in registers. The backward holds more live fp32 tiles (x, dy,
-# xhat, g and the dgamma/dbeta accumulators), so it switches to chunks earlier: on sm_90 a single
-# 16384-wide backward tile spills even at 32 warps, 8192 does not (ptxas -v).
+# xhat, g and the dgamma/dbeta accumulators), so it switches to chunks earlier: a single
+# 16384-wide backward tile would need 32 warps at 16 values per thread, twice the register file.
 _FWD_MAX_SINGLE_BLOCK = 16384
 _BWD_MAX_SINGLE_BLOCK = 8192
-# Tile elements per warp, i.e. 16 (forward) or 8 (backward) fp32 values per thread: about 55-80
-# registers per thread on sm_90 with no spills for every tile the launchers pick (ptxas -v).
+# Tile elements per warp: 16 fp32 values per thread in both directions. Measured with
+# `python -m kernels.inspect` (Triton 3.9, ptxas -v), no tile the launchers pick spills on sm_80 or
+# sm_90: the forward takes 40-60 registers, the backward 100-128. The backward used 8 values per
+# thread before: 32 warps at N = 8192, where 1024 threads leave 64 registers each, and it spilled
+# 40 B (56 B with the residual gradient); and at N <= 2048 one 16-warp CTA of about 80 registers
+# filled an SM with 15-20 KiB of loads in flight. 16 values per thread halve the warps per tile:
+# 8 warps for rows up to 4096 (two CTAs per SM, twice the bytes in flight) and 16 at 8192.
 _FWD_ELEMS_PER_WARP = 512
-_BWD_ELEMS_PER_WARP = 256
+_BWD_ELEMS_PER_WARP = 512
 _CHUNK = 4096  # column chunk of the looped path for rows wider than the single-block limit
 _TILE = 4096  # narrow rows: one program normalises BLOCK_M = _TILE // BLOCK_N rows at once
 _MAX_TILE = 16384  # static bound on BLOCK_M * BLOCK_N checked inside the kernels
@@ -474,11 +486,16 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _programs_target(device: torch.device) -> int:
+def _device_sm_count(device: torch.device) -> int | None:
+    """SMs of a CUDA device; None elsewhere (the interpreter)."""
+    if device.type != "cuda":
+        return None
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _programs_target(sm_count: int | None) -> int:
     """How many programs keep the device busy: a few per SM on a GPU, a handful on the interpreter."""
-    if device.type == "cuda":
-        return 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return 4
+    return 4 * sm_count if sm_count is not None else 4
 
 
 def _geometry(
@@ -502,14 +519,174 @@ def _geometry(
     return block_m, block_n, single, num_warps
 
 
-def _bwd_row_programs(m: int, n: int, device: torch.device, block_n: int | None = None) -> tuple[int, int]:
-    """(P, rows_per_program) of the backward: P row-programs (times the column chunks) fill the
-    device; P is also the row count of the dweight/dbias partial buffers."""
+def _bwd_partition(m: int, n: int, sm_count: int | None, block_n: int | None = None) -> tuple[int, int]:
+    """(P, rows_per_program) of the backward on a GPU with `sm_count` SMs (None: the interpreter):
+    P row-programs (times the column chunks) fill the device; P is also the row count of the
+    dweight/dbias partial buffers."""
     block_m, bn, _, _ = _geometry(m, n, _BWD_MAX_SINGLE_BLOCK, _BWD_ELEMS_PER_WARP, block_n)
     row_tiles = triton.cdiv(m, block_m)
-    programs = max(1, min(row_tiles, _programs_target(device) // triton.cdiv(n, bn)))
+    programs = max(1, min(row_tiles, _programs_target(sm_count) // triton.cdiv(n, bn)))
     rows_per_program = triton.cdiv(row_tiles, programs) * block_m
     return triton.cdiv(m, rows_per_program), rows_per_program
+
+
+def _bwd_row_programs(m: int, n: int, device: torch.device, block_n: int | None = None) -> tuple[int, int]:
+    """`_bwd_partition` for the GPU `device` is on."""
+    return _bwd_partition(m, n, _device_sm_count(device), block_n)
+
+
+def forward_launch(
+    x: torch.Tensor,  # (..., N) input, already checked
+    weight: torch.Tensor | None,  # (N,)
+    bias: torch.Tensor | None,  # (N,)
+    eps: float,
+    formula: str,
+    residual: torch.Tensor | None,  # (..., N) like x
+    block_n: int | None = None,
+) -> tuple[KernelLaunch | None, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]]:
+    """The forward's launch (None when there are no rows) and its outputs (y, summed, mean, rstd),
+    allocated on x's device, not yet computed."""
+    n = x.shape[-1]
+    x2 = _rows(x, n)  # (M, N)
+    m = x2.shape[0]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y2 = y.view(-1, n)  # (M, N)
+    r2 = _rows(residual, n) if residual is not None else x2  # (M, N)
+    summed = torch.empty_like(y) if residual is not None else None
+    s2 = summed.view(-1, n) if summed is not None else y2  # (M, N)
+    mean = torch.empty(m, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    outputs = (y, summed, mean, rstd)
+    if m == 0:
+        return None, outputs
+    block_m, bn, single, num_warps = _geometry(m, n, _FWD_MAX_SINGLE_BLOCK, _FWD_ELEMS_PER_WARP, block_n)
+    w = weight.contiguous() if weight is not None else x2
+    b = bias.contiguous() if bias is not None else x2
+    launch = KernelLaunch(
+        name="ln_fwd_residual" if residual is not None else "ln_fwd",
+        kernel=_layer_norm_fwd_kernel,
+        grid=(triton.cdiv(m, block_m),),
+        args=(
+            x2,
+            r2,
+            s2,
+            y2,
+            w,
+            b,
+            mean,
+            rstd,
+            x2.stride(0),
+            r2.stride(0),
+            s2.stride(0),
+            y2.stride(0),
+            m,
+            n,
+            float(eps),
+        ),  # fmt: skip
+        kwargs={
+            "FORMULA": FORMULAS[formula],
+            "HAS_RESIDUAL": residual is not None,
+            "HAS_WEIGHT": weight is not None,
+            "HAS_BIAS": bias is not None,
+            "BLOCK_M": block_m,
+            "BLOCK_N": bn,
+            "SINGLE_BLOCK": single,
+            "num_warps": num_warps,
+        },
+    )
+    return launch, outputs
+
+
+def backward_launches(
+    dy: torch.Tensor,  # (..., N) like x
+    x: torch.Tensor,  # (..., N) what the forward normalised, already checked
+    mean: torch.Tensor,  # (M,) fp32
+    rstd: torch.Tensor,  # (M,) fp32
+    weight: torch.Tensor | None,  # (N,)
+    bias: torch.Tensor | None,  # (N,)
+    eps: float,
+    formula: str,
+    dsummed: torch.Tensor | None,  # (..., N) grad of the fused op's `summed`
+    sm_count: int | None,  # SMs of the GPU (None: the interpreter)
+    block_n: int | None = None,
+) -> tuple[list[KernelLaunch], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+    """The backward's launches, in order (rows wider than one tile first get their row sums),
+    and (dx, dweight_partial (P, N), dbias_partial (P, N)) allocated on x's device; dweight and
+    dbias are the fixed-order column sums of the partials."""
+    n = x.shape[-1]
+    x2 = _rows(x, n)  # (M, N)
+    dy2 = _rows(dy, n)  # (M, N)
+    ds2 = _rows(dsummed, n) if dsummed is not None else dy2  # (M, N)
+    m = x2.shape[0]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx2 = dx.view(-1, n)  # (M, N)
+    if m == 0:
+        return [], (dx, None, None)
+
+    block_m, bn, single, num_warps = _geometry(m, n, _BWD_MAX_SINGLE_BLOCK, _BWD_ELEMS_PER_WARP, block_n)
+    programs, rows_per_program = _bwd_partition(m, n, sm_count, block_n)
+    w = weight.contiguous() if weight is not None else x2
+    launches = []
+    mg = mgx = mean  # unused by the single-block kernel
+    if not single:
+        mg = torch.empty(m, dtype=torch.float32, device=x.device)
+        mgx = torch.empty(m, dtype=torch.float32, device=x.device)
+        launches.append(
+            KernelLaunch(
+                name="ln_bwd_row_sums",
+                kernel=_layer_norm_bwd_row_sums_kernel,
+                grid=(m,),
+                args=(x2, w, dy2, mean, rstd, mg, mgx, x2.stride(0), dy2.stride(0), m, n),
+                kwargs={
+                    "HAS_WEIGHT": weight is not None,
+                    "BLOCK_M": 1,
+                    "BLOCK_N": bn,
+                    "num_warps": num_warps,
+                },
+            )
+        )
+    # Deterministic weight gradients: program p writes row p of these, then a fixed-order sum.
+    dw_part = torch.empty((programs, n), dtype=torch.float32, device=x.device) if weight is not None else None
+    db_part = torch.empty((programs, n), dtype=torch.float32, device=x.device) if bias is not None else None
+    launches.append(
+        KernelLaunch(
+            name="ln_bwd_residual" if dsummed is not None else "ln_bwd",
+            kernel=_layer_norm_bwd_kernel,
+            grid=(programs, triton.cdiv(n, bn)),
+            args=(
+                x2,
+                w,
+                dy2,
+                ds2,
+                dx2,
+                mean,
+                rstd,
+                mg,
+                mgx,
+                dw_part if dw_part is not None else mean,
+                db_part if db_part is not None else mean,
+                x2.stride(0),
+                dy2.stride(0),
+                ds2.stride(0),
+                dx2.stride(0),
+                m,
+                n,
+                rows_per_program,
+                float(eps),
+            ),  # fmt: skip
+            kwargs={
+                "FORMULA": FORMULAS[formula],
+                "HAS_WEIGHT": weight is not None,
+                "HAS_BIAS": bias is not None,
+                "HAS_DS": dsummed is not None,
+                "BLOCK_M": block_m,
+                "BLOCK_N": bn,
+                "SINGLE_BLOCK": single,
+                "num_warps": num_warps,
+            },
+        )
+    )
+    return launches, (dx, dw_part, db_part)
 
 
 def layer_norm_forward(
@@ -529,47 +706,10 @@ def layer_norm_forward(
     rstd = 1 / r(var) of the chosen formula.
     """
     _check_inputs(x, weight, bias, eps, formula, residual)
-    n = x.shape[-1]
-    x2 = _rows(x, n)  # (M, N)
-    m = x2.shape[0]
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    y2 = y.view(-1, n)  # (M, N)
-    r2 = _rows(residual, n) if residual is not None else x2  # (M, N)
-    summed = torch.empty_like(y) if residual is not None else None
-    s2 = summed.view(-1, n) if summed is not None else y2  # (M, N)
-    mean = torch.empty(m, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
-    if m == 0:
-        return y, summed, mean, rstd
-    block_m, bn, single, num_warps = _geometry(m, n, _FWD_MAX_SINGLE_BLOCK, _FWD_ELEMS_PER_WARP, block_n)
-    w = weight.contiguous() if weight is not None else x2
-    b = bias.contiguous() if bias is not None else x2
-    _layer_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
-        x2,
-        r2,
-        s2,
-        y2,
-        w,
-        b,
-        mean,
-        rstd,
-        x2.stride(0),
-        r2.stride(0),
-        s2.stride(0),
-        y2.stride(0),
-        m,
-        n,
-        float(eps),
-        FORMULA=FORMULAS[formula],
-        HAS_RESIDUAL=residual is not None,
-        HAS_WEIGHT=weight is not None,
-        HAS_BIAS=bias is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=bn,
-        SINGLE_BLOCK=single,
-        num_warps=num_warps,
-    )
-    return y, summed, mean, rstd
+    launch, outputs = forward_launch(x, weight, bias, eps, formula, residual, block_n)
+    if launch is not None:
+        launch.run()
+    return outputs
 
 
 def layer_norm_backward(
@@ -595,75 +735,14 @@ def layer_norm_backward(
     _check_inputs(x, weight, bias, eps, formula, dsummed)
     if dy.shape != x.shape:
         raise ValueError(f"dy shape {tuple(dy.shape)} differs from x shape {tuple(x.shape)}")
-    n = x.shape[-1]
-    x2 = _rows(x, n)  # (M, N)
-    dy2 = _rows(dy, n)  # (M, N)
-    ds2 = _rows(dsummed, n) if dsummed is not None else dy2  # (M, N)
-    m = x2.shape[0]
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dx2 = dx.view(-1, n)  # (M, N)
-    if m == 0:
+    launches, (dx, dw_part, db_part) = backward_launches(
+        dy, x, mean, rstd, weight, bias, eps, formula, dsummed, _device_sm_count(x.device), block_n
+    )
+    if not launches:  # no rows
         zeros = lambda p: torch.zeros_like(p) if p is not None else None
         return dx, zeros(weight), zeros(bias)
-
-    block_m, bn, single, num_warps = _geometry(m, n, _BWD_MAX_SINGLE_BLOCK, _BWD_ELEMS_PER_WARP, block_n)
-    n_chunks = triton.cdiv(n, bn)
-    programs, rows_per_program = _bwd_row_programs(m, n, x.device, block_n)
-
-    w = weight.contiguous() if weight is not None else x2
-    mg = mgx = mean  # unused by the single-block kernel
-    if not single:
-        mg = torch.empty(m, dtype=torch.float32, device=x.device)
-        mgx = torch.empty(m, dtype=torch.float32, device=x.device)
-        _layer_norm_bwd_row_sums_kernel[(m,)](
-            x2,
-            w,
-            dy2,
-            mean,
-            rstd,
-            mg,
-            mgx,
-            x2.stride(0),
-            dy2.stride(0),
-            m,
-            n,
-            HAS_WEIGHT=weight is not None,
-            BLOCK_M=1,
-            BLOCK_N=bn,
-            num_warps=num_warps,
-        )
-    # Deterministic weight gradients: program p writes row p of these, then a fixed-order sum.
-    dw_part = torch.empty((programs, n), dtype=torch.float32, device=x.device) if weight is not None else mean
-    db_part = torch.empty((programs, n), dtype=torch.float32, device=x.device) if bias is not None else mean
-    _layer_norm_bwd_kernel[(programs, n_chunks)](
-        x2,
-        w,
-        dy2,
-        ds2,
-        dx2,
-        mean,
-        rstd,
-        mg,
-        mgx,
-        dw_part,
-        db_part,
-        x2.stride(0),
-        dy2.stride(0),
-        ds2.stride(0),
-        dx2.stride(0),
-        m,
-        n,
-        rows_per_program,
-        float(eps),
-        FORMULA=FORMULAS[formula],
-        HAS_WEIGHT=weight is not None,
-        HAS_BIAS=bias is not None,
-        HAS_DS=dsummed is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=bn,
-        SINGLE_BLOCK=single,
-        num_warps=num_warps,
-    )
+    for launch in launches:
+        launch.run()
     dweight = dw_part.sum(0).to(weight.dtype) if weight is not None else None
     dbias = db_part.sum(0).to(bias.dtype) if bias is not None else None
     return dx, dweight, dbias
@@ -761,50 +840,3 @@ def add_layer_norm(
     differentiable and the grad of `summed` reaches x and residual.
     """
     return AddLayerNormFunction.apply(x, residual, weight, bias, eps, formula)
-
-
-# ---------------------------------------------------------------------------------------------
-# Torch references (plain ops; what the kernels are tested against)
-# ---------------------------------------------------------------------------------------------
-
-
-def layer_norm_reference(
-    x: torch.Tensor,
-    weight: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    eps: float = 1e-5,
-    formula: str = "sqrt_var_eps",
-) -> torch.Tensor:
-    """The same function in plain torch ops, computed in fp32 (float64 stays float64), returned
-    in x's dtype. Differentiable by autograd."""
-    if formula not in FORMULAS:
-        raise ValueError(f"unknown layer-norm formula {formula!r}; valid: {', '.join(FORMULAS)}")
-    compute = torch.promote_types(x.dtype, torch.float32)
-    xf = x.to(compute)
-    mu = xf.mean(dim=-1, keepdim=True)
-    xc = xf - mu
-    var = (xc * xc).mean(dim=-1, keepdim=True)  # population variance
-    if formula == "sqrt_var_eps":
-        y = xc / torch.sqrt(var + eps)
-    elif formula == "std_plus_eps":
-        y = xc / (torch.sqrt(var) + eps)
-    else:
-        y = xc / torch.sqrt(var)
-    if weight is not None:
-        y = y * weight.to(compute)
-    if bias is not None:
-        y = y + bias.to(compute)
-    return y.to(x.dtype)
-
-
-def add_layer_norm_reference(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    eps: float = 1e-5,
-    formula: str = "sqrt_var_eps",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(layer_norm_reference(x + residual, ...), x + residual)."""
-    summed = x + residual
-    return layer_norm_reference(summed, weight, bias, eps, formula), summed

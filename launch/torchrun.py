@@ -465,6 +465,16 @@ def _stopped(code: int, by: str) -> int:
     return code
 
 
+def check_training_config(overrides: list[str], world_size: int) -> None:
+    """Compose lmsys.train's config and cut its batch for `world_size` ranks before any worker
+    starts: a mistake is then one line (ConfigError), not every rank's failure and torchrun's."""
+    # lmsys's config and batch arithmetic import Hydra and torch: only for lmsys.train launches.
+    from lmsys.config import compose
+    from lmsys.runtime import batch_plan
+
+    batch_plan(compose(overrides), world_size)
+
+
 def run_torchrun(plan: Plan, overrides: list[str]) -> int:
     """torchrun in this process (its agent handles signals itself); the exit status to leave with."""
     # torch is imported only here: --help, --dry-run and every argument check answer without it.
@@ -573,6 +583,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> int:
         plan = make_plan(args, os.environ)
+        if plan.module == "lmsys.train" and not any(o.startswith("-") for o in overrides):
+            check_training_config(overrides, plan.nproc * plan.nnodes)
         command = [sys.executable, "-m", "torch.distributed.run", *plan.torchrun_args(overrides)]
         print(f"{PROG}: {plan.describe()}", flush=True)
         if args.dry_run:

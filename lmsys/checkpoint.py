@@ -57,7 +57,7 @@ from lmsys.errors import CheckpointError, ConfigError
 from lmsys.files import TMP_PREFIX, atomic_write_text, install_dir, sha256_file
 from lmsys.reshard import load_resharded
 from lmsys.rundir import CHECKPOINTS, read_metrics, run_dir_of
-from lmsys.shards import TOKENIZER_FILE
+from lmsys.tokenizer import TOKENIZER_FILES
 from lmsys.weights import model_state_dict
 
 MARKER = "lmsys_checkpoint.json"
@@ -388,27 +388,35 @@ def resolve(
 # ----------------------------------------------------------------------------- resume
 
 
-# Model keys that choose an implementation, not the function: changing them on resume is fine.
-_RUNTIME_MODEL_KEYS = {"model.kernels"}
+# Model keys that choose an implementation, or the weights a run started from, not the
+# function: changing them on resume is fine.
+_RUNTIME_MODEL_KEYS = frozenset({"model.kernels", "model.init_from"})
+
+
+def model_differences(
+    saved: dict[str, Any] | None, now: dict[str, Any], label: str, ignore: frozenset[str] = frozenset()
+) -> str | None:
+    """How two model config dicts differ in function (beyond _RUNTIME_MODEL_KEYS and `ignore`),
+    as `model.key=now (label: saved)`, at most four and a count; None when they do not."""
+    skip = _RUNTIME_MODEL_KEYS | ignore
+    saved_flat = {k: v for k, v in flatten_dict({"model": saved}).items() if k not in skip}
+    now_flat = {k: v for k, v in flatten_dict({"model": now}).items() if k not in skip}
+    diffs = [
+        f"{k}={now_flat.get(k)!r} ({label}: {saved_flat.get(k)!r})"
+        for k in sorted(set(saved_flat) | set(now_flat))
+        if saved_flat.get(k) != now_flat.get(k)
+    ]
+    if not diffs:
+        return None
+    return ", ".join(diffs[:4]) + (f" and {len(diffs) - 4} more" if len(diffs) > 4 else "")
 
 
 def check_compatible(state: TrainState, model_dict: dict[str, Any], tokenizer_sha256: str) -> None:
     """Refuse (CheckpointError) a resume whose model function or tokenizer differs. The world size,
     ZeRO stage, precision and micro-batch size may change (`load` reshards); the global batch may
     not (the batch plan and the loader refuse it)."""
-    saved = {
-        k: v
-        for k, v in flatten_dict({"model": state.config.get("model")}).items()
-        if k not in _RUNTIME_MODEL_KEYS
-    }
-    now = {k: v for k, v in flatten_dict({"model": model_dict}).items() if k not in _RUNTIME_MODEL_KEYS}
-    diffs = [
-        f"{k}={now.get(k)!r} (checkpoint: {saved.get(k)!r})"
-        for k in sorted(set(saved) | set(now))
-        if saved.get(k) != now.get(k)
-    ]
-    if diffs:
-        shown = ", ".join(diffs[:4]) + (f" and {len(diffs) - 4} more" if len(diffs) > 4 else "")
+    shown = model_differences(state.config.get("model"), model_dict, "checkpoint")
+    if shown:
         raise CheckpointError(f"cannot resume: the model differs from the checkpoint's: {shown}")
     if state.tokenizer_sha256 != tokenizer_sha256:
         raise CheckpointError(
@@ -481,27 +489,31 @@ def read_checkpoint(path: str | Path | Checkpoint, tokenizer: str | Path | None 
 
 
 def find_tokenizer(ckpt: Checkpoint, explicit: str | Path | None = None) -> Path:
-    """The tokenizer.model a checkpoint was trained with: `explicit`, else one next to the
-    checkpoint or run, else the prepared data dir of its config (data.tokenizer, data.dir);
-    its sha256 must be the one the checkpoint records."""
+    """The tokenizer file (tokenizer.model or tokenizer.json) a checkpoint was trained with:
+    `explicit` (a file, or a directory holding one), else one next to the checkpoint or run, else
+    in the prepared data dir of its config (data.dir, data.tokenizer); its sha256 must be the one
+    the checkpoint records."""
     want = ckpt.state.tokenizer_sha256
     data = ckpt.state.config.get("data") or {}
     if explicit is not None:
-        candidates = [Path(explicit)]
+        places = [Path(explicit)]
     else:
-        candidates = [ckpt.tag_dir / TOKENIZER_FILE]
+        places = [ckpt.tag_dir]
         if ckpt.run_dir is not None:
-            candidates.append(ckpt.run_dir / TOKENIZER_FILE)
+            places.append(ckpt.run_dir)
         if data.get("dir"):
-            candidates.append(Path(data["dir"]) / TOKENIZER_FILE)
+            places.append(Path(data["dir"]))
             if ckpt.run_dir is not None and not Path(data["dir"]).is_absolute():
-                candidates.append(ckpt.run_dir.parent.parent / data["dir"] / TOKENIZER_FILE)
+                places.append(ckpt.run_dir.parent.parent / data["dir"])
         if data.get("tokenizer"):
-            candidates.append(Path(data["tokenizer"]))
+            places.append(Path(data["tokenizer"]))
+    # a directory may hold either kind; a file names itself
+    candidates = [p / name for p in places if p.is_dir() for name in TOKENIZER_FILES]
+    candidates += [p for p in places if not p.is_dir()]
     seen = []
     for cand in candidates:
         if not cand.is_file():
-            if explicit is not None:
+            if explicit is not None and not Path(explicit).is_dir():
                 raise CheckpointError(f"tokenizer={cand} does not exist")
             continue
         sha = sha256_file(cand)
@@ -511,11 +523,11 @@ def find_tokenizer(ckpt: Checkpoint, explicit: str | Path | None = None) -> Path
     if seen:
         raise CheckpointError(
             f"the tokenizer does not match the model: the checkpoint was trained with sha256 "
-            f"{want[:12]}, found {', '.join(seen)}; pass tokenizer=<the data dir's tokenizer.model>"
+            f"{want[:12]}, found {', '.join(seen)}; pass tokenizer=<the data dir's tokenizer file>"
         )
     raise CheckpointError(
         f"cannot find the tokenizer of checkpoint {ckpt.tag_dir} (looked in the checkpoint, the run and "
-        f"data.dir={data.get('dir')!r}); pass tokenizer=<path to tokenizer.model>"
+        f"data.dir={data.get('dir')!r}); pass tokenizer=<path to tokenizer.model or tokenizer.json>"
     )
 
 
@@ -535,6 +547,7 @@ def provenance(ckpt: Checkpoint) -> dict[str, Any]:
         "tokenizer_sha256": state.tokenizer_sha256,
         "source": str(ckpt.tag_dir),
         "run": ckpt.run_dir.name if ckpt.run_dir is not None else None,
+        "run_dir": str(ckpt.run_dir.resolve()) if ckpt.run_dir is not None else None,
     }
     if ckpt.run_dir is not None:
         evals = [

@@ -11,7 +11,11 @@ activation names, ...) live in `validate`, which raises `ConfigError` with one l
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
+import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,6 +99,9 @@ class ModelConfig:
     bos_shift_id: int = 0
     init_std: float = 0.02
     kernels: str = "auto"  # auto (Triton on CUDA, torch elsewhere) | triton | torch
+    # An export directory whose weights start a training run (fine-tuning; lmsys.export.initial_model):
+    # its model must compute the same function as this config. A resumed run ignores it.
+    init_from: str | None = None
 
 
 # ----------------------------------------------------------------------------- data
@@ -129,6 +136,10 @@ class OptimConfig:
     lr: float = 6e-4
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 100
+    # The step at which the cosine reaches its floor; 0: trainer.max_steps of the run's first launch.
+    # A resumed run with a higher trainer.max_steps keeps its schedule (the lr stays at the floor
+    # after it) unless this is set: e.g. optim.decay_steps=<new max_steps> stretches the cosine.
+    decay_steps: int = 0
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -159,7 +170,10 @@ class LoggerConfig:
     entity: str | None = None
     group: str | None = None
     tags: list[str] = field(default_factory=list)
-    log_interval: int = 10
+    log_interval: int = 10  # steps between W&B records (metrics.jsonl gets every step)
+    # steps between plain progress lines when the console is not a terminal (a log file, a pipe,
+    # SLURM) or trainer.progress=false; a terminal shows the progress bar instead
+    console_interval: int = 10
 
 
 @dataclass
@@ -170,7 +184,7 @@ class TrainerConfig:
     global_batch_tokens: int = 65536  # tokens per optimizer step across all ranks
     micro_batch_size: int = 8  # sequences per rank per forward
     eval_interval: int = 200
-    eval_batches: int = 20
+    eval_batches: int = 0  # validation micro-batches per rank; 0: the whole validation split
     save_interval: int = 500  # also saved at the end, and after the step under way on SIGTERM/SIGUSR1/Ctrl-C
     keep_last: int = 3  # complete, intact checkpoints kept (damaged ones are moved to checkpoints/damaged/)
     # auto | never | <checkpoint dir or run dir: its newest intact checkpoint>; on any world size and
@@ -319,17 +333,22 @@ def validate(cfg: Config) -> Config:
     _require(o.lr > 0, f"optim.lr={o.lr} must be > 0")
     _require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
     _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    _require(o.decay_steps >= 0, f"optim.decay_steps={o.decay_steps} must be >= 0 (0: trainer.max_steps)")
     _require(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping)")
     _require(ds.stage in (0, 1, 2, 3), f"deepspeed.stage={ds.stage} is not valid; choose one of: 0, 1, 2, 3")
     _one_of("deepspeed.precision", ds.precision, ("auto", "fp32", "bf16", "fp16"))
     _one_of("logger.wandb", lg.wandb, ("online", "offline", "disabled"))
     _require(lg.log_interval >= 1, f"logger.log_interval={lg.log_interval} must be >= 1")
+    _require(lg.console_interval >= 1, f"logger.console_interval={lg.console_interval} must be >= 1")
     _require(t.max_steps >= 1, f"trainer.max_steps={t.max_steps} must be >= 1")
     _require(t.micro_batch_size >= 1, f"trainer.micro_batch_size={t.micro_batch_size} must be >= 1")
     _require(t.global_batch_tokens >= 1, f"trainer.global_batch_tokens={t.global_batch_tokens} must be >= 1")
     _require(t.keep_last >= 1, f"trainer.keep_last={t.keep_last} must be >= 1")
     _require(t.eval_interval >= 1, f"trainer.eval_interval={t.eval_interval} must be >= 1")
-    _require(t.eval_batches >= 1, f"trainer.eval_batches={t.eval_batches} must be >= 1")
+    _require(
+        t.eval_batches >= 0,
+        f"trainer.eval_batches={t.eval_batches} must be >= 0 (0: the whole validation split)",
+    )
     _require(t.save_interval >= 1, f"trainer.save_interval={t.save_interval} must be >= 1")
     _require(t.max_nan_skips >= 0, f"trainer.max_nan_skips={t.max_nan_skips} must be >= 0")
     _require(t.dist_timeout_s > 0, f"trainer.dist_timeout_s={t.dist_timeout_s} must be > 0")
@@ -364,7 +383,8 @@ def to_config(cfg: DictConfig | Config) -> Config:
 
 def hydra_error_line(exc: BaseException) -> str:
     """Hydra and OmegaConf errors carry several lines and a chain of causes; keep one line that
-    names the key (the first message with a `full_key:`), plus the valid options when listed."""
+    names the key (the first message with a `full_key:`), plus the valid options when listed and,
+    for a misspelled key or group choice, the nearest valid one."""
     chain: list[str] = []
     seen: BaseException | None = exc
     while seen is not None and len(chain) < 10:
@@ -383,7 +403,31 @@ def hydra_error_line(exc: BaseException) -> str:
         options = text.split("Available options", 1)[1].split("Config search path", 1)[0]
         names = [ln.strip() for ln in options.splitlines()[1:] if ln.strip()]
         head = f"{head}; available: {', '.join(names)}"
+        missing = re.search(r"Could not find '([^/']+)/([^']+)'", head)
+        if missing:
+            head += _did_you_mean(missing.group(2), names, f"{missing.group(1)}=")
+    unknown = re.match(r"Key '([^']+)' not in '(\w+)'", head)
+    if unknown:
+        parent = full_key.rpartition(".")[0] if full_key else ""
+        prefix = f"{parent}." if parent else ""
+        head += _did_you_mean(unknown.group(1), schema_keys(parent), prefix)
     return head
+
+
+def _did_you_mean(word: str, valid: list[str], prefix: str) -> str:
+    close = difflib.get_close_matches(word, valid, n=1, cutoff=0.6)
+    return f"; did you mean {prefix}{close[0]}?" if close else ""
+
+
+def schema_keys(path: str = "") -> list[str]:
+    """The keys the schema allows under a dotted path ("" for the top level, e.g. "model.ffn")."""
+    node: Any = Config
+    for part in [p for p in path.split(".") if p]:
+        hints = typing.get_type_hints(node)
+        if part not in hints or not dataclasses.is_dataclass(hints[part]):
+            return []
+        node = hints[part]
+    return [f.name for f in dataclasses.fields(node)]
 
 
 def compose(overrides: list[str] | None = None, config_name: str = "config") -> Config:
@@ -405,6 +449,23 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
         bare = [o for o in overrides if "=" not in o and not o.startswith("~")]
         hint = " (overrides are key=value, e.g. model=seed_trax or data.dir=data/mine)" if bare else ""
         raise ConfigError(hydra_error_line(exc) + hint) from exc
+
+
+def config_groups() -> dict[str, tuple[list[str], str | None]]:
+    """Each config group of conf/ -> (its choices, the default conf/config.yaml picks)."""
+    defaults: dict[str, str] = {}
+    for entry in OmegaConf.load(CONF_DIR / "config.yaml").get("defaults", []):
+        if isinstance(entry, (DictConfig, dict)):
+            for key, value in dict(entry).items():
+                if not str(key).startswith("override"):
+                    defaults[str(key)] = str(value)
+    groups = {}
+    for directory in sorted(p for p in CONF_DIR.rglob("*") if p.is_dir()):
+        choices = sorted(f.stem for f in directory.glob("*.yaml"))
+        if choices:
+            group = directory.relative_to(CONF_DIR).as_posix()
+            groups[group] = (choices, defaults.get(group))
+    return groups
 
 
 def compose_model(preset: str, overrides: list[str] | None = None) -> ModelConfig:

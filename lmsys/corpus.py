@@ -40,9 +40,10 @@ from lmsys.errors import DataError
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl",)
 SUPPORTED = "|".join(s.lstrip(".") for s in TEXT_SUFFIXES + JSONL_SUFFIXES)
-SUPPORTED_HINT = ".txt, .md, .jsonl (each optionally .gz)"
+SUPPORTED_HINT = ".txt, .md, .jsonl (each optionally .gz) or extensionless UTF-8 text"
 DEFAULT_CORPUS_DESCRIPTION = "default corpus: python stdlib docstrings"
 PIECE_BYTES = 4 << 20  # text files longer than this are read and encoded in pieces of about this size
+TEXT_SNIFF_BYTES = 8192  # how much of a file without an extension is read to tell text from binary
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -100,6 +101,23 @@ def is_supported(path: Path) -> bool:
     return _base_suffix(path) in TEXT_SUFFIXES + JSONL_SUFFIXES
 
 
+def looks_like_text(path: Path) -> bool:
+    """Whether a file's first TEXT_SNIFF_BYTES (decompressed, for .gz) are UTF-8 text: no NUL
+    byte, and valid UTF-8 but for a character the cut itself may have split."""
+    try:
+        with _open_binary(path) as fh:
+            head = fh.read(TEXT_SNIFF_BYTES)
+    except (OSError, EOFError, zlib.error):
+        return False
+    if b"\0" in head:
+        return False
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.reason == "unexpected end of data" and len(head) == TEXT_SNIFF_BYTES
+    return True
+
+
 def _is_glob(pattern: str) -> bool:
     return any(ch in pattern for ch in "*?[")
 
@@ -108,14 +126,70 @@ def _hidden(path: Path, root: Path) -> bool:
     return any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
-def resolve_sources(sources: Iterable[str]) -> list[SourceFile]:
-    """Expand `data.sources` into the ordered list of files to read.
+@dataclass
+class SourceScan:
+    """What `data.sources` resolved to: the files to read, and what a directory or glob matched
+    that is not read (binary files without an extension, files of other types)."""
 
-    Each entry is a file, a directory (searched recursively for supported files, hidden ones
-    skipped) or a glob (`**` recurses). Order: entries as given; inside a directory or glob,
-    sorted by path. A file named twice is read once. Raises DataError for a missing path, a
-    glob matching nothing, a directory without supported files or an unsupported file type.
-    """
+    files: list[SourceFile] = field(default_factory=list)
+    matched: int = 0  # files a directory or glob matched (explicitly named files not counted)
+    read_by_content: int = 0  # files without an extension read because they are UTF-8 text
+    skipped_binary: list[Path] = field(default_factory=list)  # without an extension, not text
+    skipped_type: list[Path] = field(default_factory=list)  # another extension (.csv, .py, ...)
+
+    def pick(self, path: Path) -> bool:
+        """Whether a file a directory or glob matched is read (it is counted either way)."""
+        self.matched += 1
+        if is_supported(path):
+            return True
+        if _base_suffix(path) == "":
+            if looks_like_text(path):
+                self.read_by_content += 1
+                return True
+            self.skipped_binary.append(path)
+            return False
+        self.skipped_type.append(path)
+        return False
+
+    def summary(self) -> str:
+        """One line for lmsys-prepare: what was matched, read and skipped, and why."""
+        parts = [f"{len(self.files):,} source files read"]
+        if self.matched:
+            parts[0] = f"{self.matched:,} files matched, {len(self.files):,} read"
+        if self.read_by_content:
+            parts.append(f"{self.read_by_content:,} of them without an extension, read as UTF-8 text")
+        skipped = []
+        if self.skipped_binary:
+            skipped.append(f"{len(self.skipped_binary):,} binary without an extension")
+        if self.skipped_type:
+            kinds = sorted({p.suffix for p in self.skipped_type})
+            skipped.append(f"{len(self.skipped_type):,} of other types ({', '.join(kinds[:5])})")
+        if skipped:
+            parts.append("skipped: " + ", ".join(skipped))
+        return "; ".join(parts)
+
+    def nothing_readable(self, what: str) -> DataError:
+        """The error for a directory or glob that matched files but none to read."""
+        why = []
+        if self.skipped_binary:
+            why.append(f"{len(self.skipped_binary)} binary")
+        if self.skipped_type:
+            why.append(f"{len(self.skipped_type)} of other types")
+        found = f" (it matched {', '.join(why)})" if why else ""
+        return DataError(f"data.sources: {what} has no {SUPPORTED_HINT} files{found}")
+
+
+def scan_sources(sources: Iterable[str]) -> SourceScan:
+    """Expand `data.sources` into the ordered files to read (`SourceScan.files`).
+
+    Each entry is a file, a directory (searched recursively, hidden files skipped) or a glob
+    (`**` recurses). A file named explicitly is read whatever its name: as jsonl when it ends in
+    .jsonl(.gz), as text otherwise. In a directory or glob, .txt, .md and .jsonl files (each
+    optionally .gz) are read, and so are files without an extension whose start is UTF-8 text
+    (LICENSE, COPYING, README); the others are skipped and counted. Order: entries as given;
+    inside a directory or glob, sorted by path. A file named twice is read once. Raises DataError
+    for a missing path, or a directory or glob with nothing to read."""
+    scan = SourceScan()
     files: list[Path] = []
     for entry in sources:
         entry = str(entry)
@@ -126,35 +200,36 @@ def resolve_sources(sources: Iterable[str]) -> list[SourceFile]:
             matches = sorted(Path(m) for m in glob.glob(expanded, recursive=True) if Path(m).is_file())
             if not matches:
                 raise DataError(f"data.sources: glob {entry!r} matched no files")
-            picked = [m for m in matches if is_supported(m)]
+            picked = [m for m in matches if scan.pick(m)]
             if not picked:
-                raise DataError(f"data.sources: glob {entry!r} matched no {SUPPORTED_HINT} files")
+                raise scan.nothing_readable(f"glob {entry!r}")
+            files.extend(picked)
+            continue
+        path = Path(expanded)
+        if not path.exists():
+            raise DataError(f"data.sources: {entry} does not exist")
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and not _hidden(p, path))
+            picked = [p for p in found if scan.pick(p)]
+            if not picked:
+                raise scan.nothing_readable(f"directory {entry}")
             files.extend(picked)
         else:
-            path = Path(expanded)
-            if not path.exists():
-                raise DataError(f"data.sources: {entry} does not exist")
-            if path.is_dir():
-                picked = sorted(
-                    p for p in path.rglob("*") if p.is_file() and is_supported(p) and not _hidden(p, path)
-                )
-                if not picked:
-                    raise DataError(f"data.sources: directory {entry} has no {SUPPORTED_HINT} files")
-                files.extend(picked)
-            elif is_supported(path):
-                files.append(path)
-            else:
-                raise DataError(f"data.sources: {entry} is not a supported file type; use {SUPPORTED_HINT}")
+            files.append(path)
     seen: set[Path] = set()
-    out: list[SourceFile] = []
     for f in files:
         f = f.resolve()
         if f in seen:
             continue
         seen.add(f)
         st = f.stat()
-        out.append(SourceFile(path=f, size=st.st_size, mtime_ns=st.st_mtime_ns))
-    return out
+        scan.files.append(SourceFile(path=f, size=st.st_size, mtime_ns=st.st_mtime_ns))
+    return scan
+
+
+def resolve_sources(sources: Iterable[str]) -> list[SourceFile]:
+    """The files `data.sources` names, in reading order (see `scan_sources`)."""
+    return scan_sources(sources).files
 
 
 # ----------------------------------------------------------------------------- corpora
@@ -219,6 +294,7 @@ class FileCorpus(Corpus):
         self.on_decode_error = on_decode_error
         self.piece_bytes = piece_bytes or PIECE_BYTES  # read at call time: tests make it small
         self.stats = CorpusStats()
+        self.scan = SourceScan(files=list(files))
 
     @classmethod
     def from_sources(
@@ -228,12 +304,12 @@ class FileCorpus(Corpus):
         on_decode_error: str = "error",
         piece_bytes: int | None = None,
     ) -> FileCorpus:
-        return cls(
-            resolve_sources(sources),
-            text_field=text_field,
-            on_decode_error=on_decode_error,
-            piece_bytes=piece_bytes,
+        scan = scan_sources(sources)
+        corpus = cls(
+            scan.files, text_field=text_field, on_decode_error=on_decode_error, piece_bytes=piece_bytes
         )
+        corpus.scan = scan
+        return corpus
 
     def name(self) -> str:
         if len(self.files) == 1:
@@ -245,6 +321,8 @@ class FileCorpus(Corpus):
             "kind": "files",
             "files": [f.describe() for f in self.files],
             "total_bytes": sum(f.size for f in self.files),
+            "matched": self.scan.matched,
+            "skipped": [str(p) for p in self.scan.skipped_binary + self.scan.skipped_type][:100],
         }
 
     def fingerprint(self) -> dict[str, Any]:

@@ -154,10 +154,10 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
     for block in blocks:
         inner = block.forward
 
-        def forward(x, cache=None, layer=0, _inner=inner):
+        def forward(x, cache=None, layer=0, key_mask=None, _inner=inner):
             if cache is not None or not torch.is_grad_enabled():  # generation / eval: nothing to save
-                return _inner(x, cache, layer)
-            return checkpoint(_inner, x, None, layer, use_reentrant=False)
+                return _inner(x, cache, layer, key_mask)
+            return checkpoint(_inner, x, None, layer, key_mask, use_reentrant=False)
 
         block.forward = forward
     return len(blocks)
@@ -177,10 +177,12 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 def lr_at(step: int, optim: OptimConfig, max_steps: int) -> float:
     """Learning rate of optimizer step `step` (1-based): linear warmup over optim.warmup_steps,
-    then cosine decay from optim.lr to optim.lr * optim.min_lr_ratio at max_steps."""
+    then cosine decay from optim.lr to optim.lr * optim.min_lr_ratio at optim.decay_steps (when
+    set, else max_steps), constant after it."""
     if optim.warmup_steps > 0 and step <= optim.warmup_steps:
         return optim.lr * step / optim.warmup_steps
-    decay_steps = max(1, max_steps - optim.warmup_steps)
+    horizon = optim.decay_steps or max_steps
+    decay_steps = max(1, horizon - optim.warmup_steps)
     progress = min(1.0, max(0.0, (step - optim.warmup_steps) / decay_steps))
     min_lr = optim.lr * optim.min_lr_ratio
     return min_lr + 0.5 * (optim.lr - min_lr) * (1.0 + math.cos(math.pi * progress))

@@ -4,11 +4,13 @@
     python -m lmsys.export checkpoint=runs/tiny-20250101-120000 out=exports/tiny
     python -m lmsys.export checkpoint=runs/x/checkpoints/step_0000500 out=exports/x dtype=bf16
     python -m lmsys.export checkpoint=runs/x out=exports/x-hf format=hf      # GPT-2-shaped models
+    python -m lmsys.export checkpoint=exports/x out=exports/x-hf format=hf   # an export, converted
 
 `checkpoint=` is a run directory or its `checkpoints/` directory (its newest complete, intact
 checkpoint; newer damaged ones are reported and skipped: lmsys.checkpoint's rule, the one resume
 follows), or one checkpoint directory (`checkpoints/step_0000500`), of any ZeRO stage and world
-size. Without `out=`, a run's export goes to `<run dir>/export` (replacing an earlier export
+size; or an export directory, written again in `format` (e.g. an lmsys-import as format=hf).
+Without `out=`, a run's export goes to `<run dir>/export` (replacing an earlier export
 there, so the command can be re-run after more training). The weights are consolidated by
 DeepSpeed's own functions (lmsys.engine.consolidated_state_dict), loading never runs code from
 a pickle.
@@ -18,10 +20,14 @@ An export directory (format=lmsys) holds:
   embedding is stored ONCE (`tok_emb.weight`) and re-tied on load; the safetensors header
   metadata carries the export's provenance (`lmsys_meta`, JSON);
 - `config.json`: the model config dict (`model_config_from_dict` rebuilds the model from it);
-- `tokenizer.model`: the SentencePiece model the checkpoint was trained with (sha256-checked);
+- the tokenizer the checkpoint was trained with (sha256-checked, lmsys.tokenizer): lmsys's
+  `tokenizer.model`, or a Hugging Face `tokenizer.json` with its `tokenizer_config.json`;
 - `README.md`: a model card (preset, steps, tokens seen, final train and validation loss).
 format=hf writes a directory that transformers' `GPT2LMHeadModel.from_pretrained` loads
-(`config.json` is then a GPT2Config; see lmsys/hf.py), for configs with GPT-2's function only.
+(`config.json` is then a GPT2Config; see lmsys/hf.py), for configs with GPT-2's function only,
+and that `AutoTokenizer.from_pretrained` loads with lmsys's ids: a SentencePiece tokenizer gets a
+`tokenizer.json` and `tokenizer_config.json` beside its `tokenizer.model` (lmsys/hf_tokenizer.py,
+checked on a broad sample of text before anything is written).
 
 The directory is written under a temporary name next to `out` and renamed into place when
 complete; after writing, the export is loaded back and its logits compared with the
@@ -30,7 +36,8 @@ consolidated checkpoint's (verify=true).
 `load_export(dir) -> (Transformer, Tokenizer, meta)` reads either format with safetensors only,
 checks every tensor name and shape against config.json (naming the first mismatch) and the
 tokenizer against the model. `load_model(path)` also accepts a checkpoint (used by
-lmsys-generate and lmsys-eval).
+lmsys-generate and lmsys-eval). `initial_model(dir, cfg, sha)` is what `model.init_from=dir`
+starts a training run with: the export's weights, once its function and tokenizer are the run's.
 
 Errors (a missing or corrupt checkpoint, a mismatching file, a config that format=hf cannot
 express) print one line `lmsys-export: error: ...` on stderr and exit 2.
@@ -55,17 +62,17 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lmsys import hf
-from lmsys.checkpoint import read_checkpoint, resolve
+from lmsys.checkpoint import model_differences, read_checkpoint, resolve
 from lmsys.cli import Option, parse_options, run_cli, warn
-from lmsys.config import ModelConfig, model_config_from_dict
-from lmsys.errors import ConfigError, ExportError, UsageError
-from lmsys.files import fsync_files, install_dir, sibling
+from lmsys.config import ModelConfig, model_config_from_dict, model_dims
+from lmsys.errors import ConfigError, DataError, ExportError, UsageError
+from lmsys.files import fsync_files, install_dir, sibling, usual_permissions
+from lmsys.hf_tokenizer import write_transformers_tokenizer
 from lmsys.model import Transformer
 from lmsys.rundir import EXPORT_DIR
 from lmsys.runtime import DTYPES, dtype_name, resolve_dtype
-from lmsys.shards import TOKENIZER_FILE
-from lmsys.tokenizer import Tokenizer
-from lmsys.weights import TIED_KEY, build_model, check_tensors, expected_shapes
+from lmsys.tokenizer import HF_TOKENIZER_CONFIG, TOKENIZER_FILES, Tokenizer
+from lmsys.weights import TIED_KEY, build_model, check_tensors, expected_shapes, read_safetensors
 
 PROG = "lmsys-export"
 WEIGHTS_FILE = "model.safetensors"
@@ -74,16 +81,22 @@ CARD_FILE = "README.md"
 FORMAT = "lmsys-export"
 FORMAT_VERSION = 1
 FORMATS = ("lmsys", "hf")
+# Every name an export directory may hold (either format): anything else there is the user's.
+EXPORT_FILES = frozenset(
+    {WEIGHTS_FILE, CONFIG_FILE, CARD_FILE, *TOKENIZER_FILES, HF_TOKENIZER_CONFIG, hf.GENERATION_CONFIG_FILE}
+)
 # load_model's option for checkpoints, in every command that loads a model.
 TOKENIZER_OPTION = Option(
-    "tokenizer", "str", None, "tokenizer.model for a checkpoint (default: found from its data.dir)"
+    "tokenizer", "str", None, "tokenizer file for a checkpoint (default: found from its data.dir)"
 )
 
 
 # ----------------------------------------------------------------------------- writing an export
 
 
-def model_card(cfg: ModelConfig, info: dict[str, Any], fmt: str, dtype: torch.dtype, n_params: int) -> str:
+def model_card(
+    cfg: ModelConfig, info: dict[str, Any], fmt: str, dtype: torch.dtype, n_params: int, tok: Tokenizer
+) -> str:
     def num(value: Any, spec: str = ",") -> str:
         if value is None:
             return "n/a"
@@ -95,18 +108,6 @@ def model_card(cfg: ModelConfig, info: dict[str, Any], fmt: str, dtype: torch.dt
     if info.get("val_loss") is not None and info.get("val_step") is not None:
         val += f" (at step {info['val_step']:,}; perplexity {math.exp(min(info['val_loss'], 80.0)):.2f})"
     train_loss = num(info.get("train_loss"))
-    loading = (
-        "```python\nfrom lmsys.export import load_export\n\n"
-        'model, tokenizer, meta = load_export("<this directory>")\n```\n'
-        'or `python -m lmsys.generate model=<this directory> prompt="..."`.\n'
-    )
-    if fmt == "hf":
-        loading = (
-            "```python\nfrom transformers import GPT2LMHeadModel\n\n"
-            'model = GPT2LMHeadModel.from_pretrained("<this directory>")\n```\n'
-            "The tokenizer is the SentencePiece model `tokenizer.model` (lmsys.tokenizer.Tokenizer or "
-            "sentencepiece); `lmsys.export.load_export` also reads this directory.\n"
-        )
     rows = [
         ("preset", f"`{cfg.name}`"),
         ("parameters", f"{n_params:,}"),
@@ -129,19 +130,50 @@ def model_card(cfg: ModelConfig, info: dict[str, Any], fmt: str, dtype: torch.dt
             f"{WEIGHTS_FILE}, {dtype_name(dtype)}"
             + (", tied embedding stored once" if cfg.tied_embeddings else ""),
         ),
-        (
-            "tokenizer",
-            f"{TOKENIZER_FILE} (SentencePiece BPE, sha256 {str(info.get('tokenizer_sha256'))[:16]})",
-        ),
+        ("tokenizer", _tokenizer_row(tok, fmt)),
+        *([("fine-tuned from", f"`{info['init_from']}`")] if info.get("init_from") else []),
         ("source checkpoint", f"`{info.get('source') or 'n/a'}`"),
         ("exported", time.strftime("%Y-%m-%d %H:%M:%S")),
     ]
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     fmt_line = "Hugging Face GPT-2 format" if fmt == "hf" else "lmsys export format"
+    made = (
+        f"imported into lmsys from `{info['imported_from']}`"
+        if info.get("imported_from")
+        else "trained with lmsys"
+    )
     return (
         f"# {cfg.name} ({info.get('run') or 'lmsys model'})\n\n"
-        f"A decoder transformer language model trained with lmsys ({fmt_line}).\n\n"
-        f"| | |\n|---|---|\n{table}\n\n## Loading\n\n{loading}"
+        f"A decoder transformer language model {made} ({fmt_line}).\n\n"
+        f"| | |\n|---|---|\n{table}\n\n## Loading\n\n{_loading(fmt)}"
+    )
+
+
+def _tokenizer_row(tok: Tokenizer, fmt: str) -> str:
+    eos = f"eos `{tok.special_tokens['eos']}` = {tok.eos_id}"
+    if tok.kind == "hf":
+        return f"{tok.file_name} (Hugging Face tokenizers, {eos}, sha256 {tok.sha256[:16]})"
+    also = ", and as tokenizer.json for transformers" if fmt == "hf" else ""
+    return f"{tok.file_name} (SentencePiece BPE, {eos}, sha256 {tok.sha256[:16]}){also}"
+
+
+def _loading(fmt: str) -> str:
+    if fmt != "hf":
+        return (
+            "```python\nfrom lmsys.export import load_export\n\n"
+            'model, tokenizer, meta = load_export("<this directory>")\n```\n'
+            'or `python -m lmsys.generate model=<this directory> prompt="..."`.\n'
+        )
+    return (
+        "```python\nimport torch\nfrom transformers import AutoTokenizer, GPT2LMHeadModel\n\n"
+        'tokenizer = AutoTokenizer.from_pretrained("<this directory>")\n'
+        'model = GPT2LMHeadModel.from_pretrained("<this directory>")\n'
+        "# lmsys trained every document after an end-of-document token: start a prompt with one\n"
+        'ids = torch.tensor([[tokenizer.eos_token_id] + tokenizer("The module")["input_ids"]])\n'
+        "out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)\n"
+        "print(tokenizer.decode(out[0, 1:], skip_special_tokens=True))\n```\n"
+        "The tokenizer gives exactly lmsys's ids; `lmsys.export.load_export` and "
+        "`python -m lmsys.generate` also read this directory.\n"
     )
 
 
@@ -158,8 +190,11 @@ def _metadata(cfg: ModelConfig, info: dict[str, Any], fmt: str, dtype: torch.dty
 
 
 def model_config_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """The model's function as config.json holds it (where a run took its first weights from,
+    model.init_from, is provenance: the model card and metadata record it)."""
     data = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     assert isinstance(data, dict)
+    data.pop("init_from", None)
     return data
 
 
@@ -190,10 +225,7 @@ def write_export(
     stored = {
         k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous() for k, v in state.items()
     }
-    if out.exists() and not overwrite:
-        raise ExportError(f"out={out} already exists; choose another directory or pass overwrite=true")
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"out={out} exists and is not a directory")
+    check_replaceable(out, overwrite, fmt, info.get("run_dir"))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = sibling(out, "tmp")
     tmp.mkdir()
@@ -201,12 +233,48 @@ def write_export(
         _write_files(tmp, cfg, stored, tok, info, dtype, fmt)
         if verify:
             verify_export(tmp, cfg, state, dtype)
+        usual_permissions(tmp)
         fsync_files(tmp)  # durability before the rename makes it visible
         install_dir(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def check_replaceable(out: Path, overwrite: bool, fmt: str, run_dir: str | None) -> None:
+    """An existing `out` is replaced only when it holds nothing an export does not write, and
+    either overwrite=true or it is an earlier export of the same run (`run_dir`) in the same
+    format; ExportError (one line) otherwise, before anything is written."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ExportError(f"out={out} exists and is not a directory")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES)
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        raise ExportError(
+            f"out={out} holds {foreign[0]!r}{more}, which lmsys-export did not write: it is never "
+            "replaced; move that away or choose another out="
+        )
+    if overwrite:
+        return
+    earlier = export_provenance(out)
+    same_run = run_dir is not None and earlier.get("run_dir") == run_dir
+    if same_run and earlier.get("format") == fmt:
+        return  # derived data: re-exporting after more training replaces it
+    what = f" (a {earlier['format']}-format export)" if earlier.get("format") else ""
+    raise ExportError(f"out={out} already exists{what}; choose another directory or pass overwrite=true")
+
+
+def export_provenance(directory: Path) -> dict[str, Any]:
+    """The provenance an export recorded in its safetensors header (lmsys_meta), or {}."""
+    try:
+        with safe_open(str(directory / WEIGHTS_FILE), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("lmsys_meta", "{}"))
+    except Exception:  # not an export, or not ours: nothing recorded
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def _write_files(
@@ -219,16 +287,18 @@ def _write_files(
     fmt: str,
 ) -> None:
     metadata = _metadata(cfg, info, fmt, dtype)
+    tok.copy_to(tmp, model_max_length=cfg.max_seq_len)  # what lmsys reads back
     if fmt == "hf":
         config_json, tensors = hf.to_hf(cfg, stored, tok, dtype)
         _write_json(tmp / hf.GENERATION_CONFIG_FILE, hf.generation_config(tok))
+        if tok.kind == "sentencepiece":  # (a tokenizer.json is transformers' own already)
+            write_transformers_tokenizer(tmp, tok, model_max_length=cfg.max_seq_len)
     else:
         config_json, tensors = model_config_dict(cfg), stored
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata=metadata)
     _write_json(tmp / CONFIG_FILE, config_json)
-    shutil.copyfile(tok.path, tmp / TOKENIZER_FILE)
     n_params = sum(t.numel() for t in stored.values())
-    (tmp / CARD_FILE).write_text(model_card(cfg, info, fmt, dtype, n_params), encoding="utf-8")
+    (tmp / CARD_FILE).write_text(model_card(cfg, info, fmt, dtype, n_params, tok), encoding="utf-8")
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -261,15 +331,24 @@ def export_checkpoint(
     overwrite: bool = False,
     verify: bool = True,
 ) -> Path:
-    """Checkpoint (any ZeRO stage / world size) → export directory. Returns `out`."""
+    """Checkpoint (any ZeRO stage / world size), or an export in another format → export
+    directory. Returns `out`."""
     if fmt not in FORMATS:
         raise UsageError(f"format={fmt!r} is not valid; choose one of: {', '.join(FORMATS)}")
+    if is_export_dir(checkpoint):
+        if tokenizer is not None:
+            raise UsageError("tokenizer= is only for checkpoints; an export directory carries its own")
+        model, tok, meta = load_export(checkpoint)
+        info = {k: v for k, v in meta.items() if k not in ("format", "path", "dtype", "tied_embeddings")}
+        info["source"] = str(Path(checkpoint).resolve())
+        return write_export(out, model.cfg, model.state_dict(), tok.path, info, dtype, fmt, overwrite, verify)
     ckpt = resolve(checkpoint, warn=lambda message: warn(PROG, message))
     if fmt == "hf":  # refuse before the (slow) consolidation
         hf.require_gpt2(ckpt.state.model_config(ckpt.tag_dir))
     loaded = read_checkpoint(ckpt, tokenizer)
+    info = {**loaded.info, "init_from": (loaded.train_config.get("model") or {}).get("init_from")}
     return write_export(
-        out, loaded.cfg, loaded.state, loaded.tokenizer_path, loaded.info, dtype, fmt, overwrite, verify
+        out, loaded.cfg, loaded.state, loaded.tokenizer_path, info, dtype, fmt, overwrite, verify
     )
 
 
@@ -279,18 +358,6 @@ def export_checkpoint(
 def is_export_dir(path: str | os.PathLike) -> bool:
     p = Path(path)
     return (p / WEIGHTS_FILE).is_file() and (p / CONFIG_FILE).is_file()
-
-
-def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """All tensors and the header metadata of a safetensors file (never unpickles)."""
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = dict(f.metadata() or {})
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as exc:
-        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
-        raise ExportError(f"{path} is not a readable safetensors file ({first})") from exc
-    return tensors, metadata
 
 
 def load_export(
@@ -304,9 +371,11 @@ def load_export(
     d = Path(directory)
     if not d.is_dir():
         raise ExportError(f"export directory {d} does not exist")
-    for name in (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE):
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
         if not (d / name).is_file():
             raise ExportError(f"{d} is not an lmsys export: {name} is missing")
+    if not any((d / name).is_file() for name in TOKENIZER_FILES):
+        raise ExportError(f"{d} is not an lmsys export: it has no tokenizer ({' or '.join(TOKENIZER_FILES)})")
     try:
         config = json.loads((d / CONFIG_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -329,11 +398,11 @@ def load_export(
         check_tensors(tensors, expected_shapes(cfg), where="", file_label=str(d / WEIGHTS_FILE))
         state = tensors
         meta.setdefault("format", "lmsys")
-    tok = matching_tokenizer(d / TOKENIZER_FILE, cfg)
+    tok = matching_tokenizer(d, cfg)  # tokenizer.model when there is one, else tokenizer.json
     want = meta.get("tokenizer_sha256")
     if want and tok.sha256 != want:
         raise ExportError(
-            f"the tokenizer does not match the model: {d / TOKENIZER_FILE} has sha256 {tok.sha256[:12]}, "
+            f"the tokenizer does not match the model: {tok.path} has sha256 {tok.sha256[:12]}, "
             f"the model was trained with {str(want)[:12]}"
         )
     model = build_model(cfg, state, device=device, dtype=dtype)
@@ -366,14 +435,59 @@ def load_model(
 
 
 def matching_tokenizer(path: Path, cfg: ModelConfig) -> Tokenizer:
-    """The tokenizer at `path`, which must have the model's vocabulary size."""
+    """The tokenizer at `path` (a file or a directory holding one), which must have the model's
+    vocabulary size."""
     tok = Tokenizer(path)
     if tok.vocab_size != cfg.vocab_size:
         raise ExportError(
-            f"the tokenizer does not match the model: {path} has {tok.vocab_size} pieces, "
+            f"the tokenizer does not match the model: {tok.path} has {tok.vocab_size} pieces, "
             f"model.vocab_size={cfg.vocab_size}"
         )
     return tok
+
+
+# Model keys that name or initialise a model without changing its function: the export's weights
+# replace the initialisation, and a fine-tuned model may carry another name.
+_INIT_FROM_IGNORED = frozenset({"model.name", "model.init_std"})
+
+
+def _function_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """model_config_dict with the widths and scale a config leaves unset (None) filled in with the
+    values they mean, so that `ffn.d_ff: null` and `ffn.d_ff: 4 * d_model` compare equal."""
+    data = model_config_dict(cfg)
+    dims = model_dims(cfg)
+    data["ffn"]["d_ff"] = dims.d_ff
+    data["attention"].update(d_qk=dims.d_qk, d_vo=dims.d_vo, scale=dims.attention_scale)
+    return data
+
+
+def initial_model(directory: str | os.PathLike, cfg: ModelConfig, data_tokenizer_sha256: str) -> Transformer:
+    """The model a run with `model.init_from=directory` starts from: the export's weights in a
+    Transformer of the run's config `cfg` (in training mode). Refused with one line when the
+    export's model computes another function than `cfg` (compared like a resume, beyond the
+    implementation choices, the name and init_std) or was trained with another tokenizer than
+    the data's."""
+    d = Path(directory)
+    if not is_export_dir(d):
+        raise ConfigError(
+            f"model.init_from={directory} is not an export directory (model.safetensors and config.json: "
+            "lmsys-export or lmsys-import writes one)"
+        )
+    exported, tok, _ = load_export(d)
+    shown = model_differences(
+        model_config_dict(exported.cfg), model_config_dict(cfg), "export", _INIT_FROM_IGNORED
+    )
+    if shown and model_differences(_function_dict(exported.cfg), _function_dict(cfg), "", _INIT_FROM_IGNORED):
+        raise ConfigError(f"model.init_from={directory}: the run's model differs from the export's: {shown}")
+    if tok.sha256 != data_tokenizer_sha256:
+        raise DataError(
+            f"model.init_from={directory} was trained with tokenizer {tok.path} (sha256 {tok.sha256[:12]}) "
+            f"but the data was encoded with sha256 {data_tokenizer_sha256[:12]}; prepare it with "
+            f"data.tokenizer={directory}"
+        )
+    model = build_model(cfg, exported.state_dict())
+    model.train()
+    return model
 
 
 # ----------------------------------------------------------------------------- lmsys-export
@@ -385,7 +499,7 @@ OPTIONS = [
         None,
         "run dir (its latest checkpoint), its checkpoints/ dir, or one tag dir (required)",
     ),
-    Option("out", "str", None, "export directory to create (default: <run dir>/export)"),
+    Option("out", "str", None, "export directory to create (default: <run dir>/export, or export-hf)"),
     Option(
         "format",
         "choice",
@@ -397,7 +511,13 @@ OPTIONS = [
     Option(
         "tokenizer", "str", None, "tokenizer.model to use (default: found from the checkpoint's data.dir)"
     ),
-    Option("overwrite", "bool", False, "replace an existing out directory"),
+    Option(
+        "overwrite",
+        "bool",
+        False,
+        "replace an existing out directory (an earlier export of the same run and format is "
+        "replaced anyway; a directory holding other files never is)",
+    ),
     Option("verify", "bool", True, "load the export back and compare logits with the checkpoint"),
 ]
 
@@ -409,12 +529,15 @@ SUMMARY = (
 )
 
 
-def default_out(checkpoint: str | os.PathLike) -> Path:
-    """<run dir>/export for a checkpoint inside a run (run dir, checkpoints/ dir or tag dir)."""
+def default_out(checkpoint: str | os.PathLike, fmt: str = "lmsys") -> Path:
+    """<run dir>/export (format=lmsys) or <run dir>/export-hf (format=hf) for a checkpoint inside
+    a run (run dir, checkpoints/ dir or tag dir)."""
+    if is_export_dir(checkpoint):
+        raise UsageError(f"out= is required: checkpoint={checkpoint} is an export directory, not a run")
     ckpt = resolve(checkpoint, check_hashes=False)
     if ckpt.run_dir is None:
         raise UsageError(f"out= is required: checkpoint={checkpoint} is not inside a run directory")
-    return ckpt.run_dir / EXPORT_DIR
+    return ckpt.run_dir / (EXPORT_DIR if fmt == "lmsys" else f"{EXPORT_DIR}-{fmt}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -427,20 +550,14 @@ def main(argv: list[str] | None = None) -> int:
         if not opts["checkpoint"]:
             raise UsageError(f"checkpoint= is required; run `{PROG} --help` for the options")
         dtype = resolve_dtype(opts["dtype"])
-        out, overwrite = opts["out"], opts["overwrite"]
-        if not out:
-            out = default_out(opts["checkpoint"])
-            # The run's own export is derived data: re-exporting (after more training) replaces
-            # it, so the main job's one-line export can be re-run. Anything else there is kept.
-            if out.exists() and is_export_dir(out):
-                overwrite = True
+        out = opts["out"] or default_out(opts["checkpoint"], opts["format"])
         path = export_checkpoint(
             opts["checkpoint"],
             out,
             dtype=dtype,
             fmt=opts["format"],
             tokenizer=opts["tokenizer"],
-            overwrite=overwrite,
+            overwrite=opts["overwrite"],
             verify=opts["verify"],
         )
         size = sum(f.stat().st_size for f in path.iterdir()) / 1e6

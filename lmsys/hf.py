@@ -22,21 +22,35 @@ transpose of `nn.Linear`'s (out, in):
     lm_head.weight                      tied to wte: not stored (transformers re-ties it)
 Both fuse Q, K, V in that order with head h in columns [h*d, (h+1)*d) of each third, so the
 fused matrix maps over with a transpose only.
+
+Reading a transformers checkpoint directory (`read_hf_checkpoint`, lmsys-import): config.json
+and the weights as `model.safetensors` or `pytorch_model.bin`, either one file or shards listed
+by their `.index.json`; safetensors is preferred, and a .bin is read with
+`torch.load(weights_only=True)`, which rebuilds tensors and refuses anything else in the pickle.
+Older files name the tensors without `transformer.` and carry causal-mask buffers (dropped).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import pickle
+import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from lmsys.config import ModelConfig, model_config_from_dict, model_dims
 from lmsys.errors import ConfigError, ExportError
-from lmsys.weights import check_tensors
+from lmsys.weights import check_tensors, read_safetensors
 
 GENERATION_CONFIG_FILE = "generation_config.json"
+# transformers' weight files, in the order they are looked for: (single file, index of shards)
+HF_WEIGHT_FILES = (
+    ("model.safetensors", "model.safetensors.index.json"),
+    ("pytorch_model.bin", "pytorch_model.bin.index.json"),
+)
 # transformers' names of the tanh approximation of GELU (the same function) and others lmsys has.
 HF_ACTIVATIONS = {
     "gelu_new": "gelu_tanh",
@@ -340,3 +354,85 @@ def from_hf(
             }
         )
     return {k: v.contiguous() for k, v in state.items()}
+
+
+# ----------------------------------------------------------------------------- a transformers directory
+
+
+def read_hf_checkpoint(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The lmsys config and state dict (Transformer keys, tied embedding once) of a transformers
+    GPT-2 checkpoint directory (`GPT2LMHeadModel.save_pretrained`). When the weights record the
+    lmsys config (an lmsys format=hf export), that config is used."""
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ExportError(f"{directory} has no config.json: it is not a transformers checkpoint directory")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"{path} is not valid JSON ({exc})") from exc
+    if not isinstance(config, dict) or config.get("model_type") != "gpt2":
+        kind = config.get("model_type") if isinstance(config, dict) else None
+        raise ExportError(
+            f"{path} has model_type {kind!r}; lmsys reads GPT-2 checkpoints (model_type 'gpt2')"
+        )
+    tensors, metadata, label = read_hf_weights(directory)
+    cfg = model_config_from_hf(config, metadata.get("lmsys_model_config"))
+    return cfg, from_hf(cfg, tensors, label=label)
+
+
+def read_hf_weights(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:
+    """(tensors, safetensors metadata, a label naming the files) of a transformers directory."""
+    for single, index in HF_WEIGHT_FILES:
+        files = [directory / single] if (directory / single).is_file() else []
+        if not files and (directory / index).is_file():
+            files = _shards(directory / index)
+        if files:
+            break
+    else:
+        names = ", ".join(name for pair in HF_WEIGHT_FILES for name in pair)
+        raise ExportError(f"{directory} holds no weights (looked for {names})")
+    tensors: dict[str, torch.Tensor] = {}
+    metadata: dict[str, str] = {}
+    for file in files:
+        if file.suffix == ".safetensors":
+            part, meta = read_safetensors(file)
+            metadata.update(meta)
+        else:
+            part = _load_bin(file)
+        tensors.update(part)
+    label = str(files[0]) if len(files) == 1 else f"{directory} ({len(files)} weight shards)"
+    return tensors, metadata, label
+
+
+def _shards(index: Path) -> list[Path]:
+    """The shard files an `.index.json` lists (its weight_map's values), each present."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ExportError(
+            f"{index} is not a transformers weight index ({type(exc).__name__}: {exc})"
+        ) from exc
+    missing = [name for name in names if not (index.parent / name).is_file()]
+    if missing:
+        raise ExportError(f"{index} lists {missing[0]}, which is missing")
+    return [index.parent / name for name in names]
+
+
+def _load_bin(path: Path) -> dict[str, torch.Tensor]:
+    """A pytorch_model.bin's tensors; weights_only refuses any pickle that would build other objects."""
+    try:
+        with warnings.catch_warnings():  # torch's notes on pickle protocols say nothing to a user
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as exc:
+        # torch's message suggests weights_only=False; keep only what it found in the file
+        text = " ".join(str(exc).split())
+        found = text.split("WeightsUnpickler error:", 1)[-1].split(" Check the documentation")[0].strip()
+        raise ExportError(
+            f"{path} cannot be read safely: torch.load(weights_only=True) refused it ({found[:200]}); "
+            "lmsys reads only tensors from a pickle, never code"
+        ) from exc
+    if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
+        raise ExportError(f"{path} does not hold a state dict of tensors")
+    return data

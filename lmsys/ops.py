@@ -12,6 +12,7 @@ has to set TRITON_INTERPRET=1 by hand.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -19,7 +20,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from lmsys.config import ConfigError
+from kernels.reference import add_layer_norm_reference, layer_norm_reference
+from lmsys.cli import warn
+from lmsys.errors import ConfigError
 
 # Values of TRITON_INTERPRET that triton reads as "on" (triton.knobs' boolean parsing).
 _TRUTHY = ("1", "true", "on", "yes", "y")
@@ -65,11 +68,10 @@ def prepare_kernels(kernels: str, device: torch.device | str, dtype: torch.dtype
     """
     on_cuda = torch.device(device).type == "cuda"
     if on_cuda and kernels != "torch" and os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUTHY:
-        print(
-            "lmsys: warning: TRITON_INTERPRET is set: the Triton kernels run in the Python "
-            "interpreter, thousands of times slower than compiled; unset it on a GPU machine",
-            file=sys.stderr,
-            flush=True,
+        warn(
+            "lmsys",
+            "TRITON_INTERPRET is set: the Triton kernels run in the Python interpreter, thousands of "
+            "times slower than compiled; unset it on a GPU machine",
         )
     if kernels != "triton" or on_cuda:
         return
@@ -79,6 +81,8 @@ def prepare_kernels(kernels: str, device: torch.device | str, dtype: torch.dtype
             "cannot compute bf16 attention; use fp32 there, or model.kernels=auto (torch ops)"
         )
     mode = _imported_triton_mode()
+    if mode != "compiled":
+        _warn_interpreted(str(torch.device(device)))
     if mode is None:
         os.environ["TRITON_INTERPRET"] = "1"
     elif mode == "compiled":
@@ -88,6 +92,16 @@ def prepare_kernels(kernels: str, device: torch.device | str, dtype: torch.dtype
             "is fixed at import; start the process with TRITON_INTERPRET=1 in its environment, or "
             "use model.kernels=auto (torch ops on CPU)"
         )
+
+
+@functools.cache  # once per process and device: lmsys-eval run= prepares every checkpoint
+def _warn_interpreted(device: str) -> None:
+    warn(
+        "lmsys",
+        f"model.kernels=triton on {device} runs the Triton kernels in their CPU interpreter, a "
+        "correctness mode about a thousand times slower than torch (minutes per training step even "
+        "for the tiny model); model.kernels=auto uses torch ops on the CPU",
+    )
 
 
 def use_triton(x: torch.Tensor, kernels: str) -> bool:
@@ -110,14 +124,22 @@ def attention(
     scale: float,
     kernels: str = "auto",
     softmax: str = "row",
+    key_mask: torch.Tensor | None = None,  # (B, Tk) bool: False at padding keys
 ) -> torch.Tensor:  # (B, H, Tq, d_vo)
     """softmax(scale * Q K^T + M) V per head. With Tq < Tk (decoding with a KV cache) the queries
-    are the last Tq positions, so the causal mask is aligned to the bottom-right corner."""
+    are the last Tq positions, so the causal mask is aligned to the bottom-right corner. With a
+    key_mask (a padded batch) the padding keys are hidden from every query (padded_attention)."""
+    if key_mask is not None:
+        if softmax == "matrix":
+            raise ValueError(
+                "attention.softmax=matrix normalises over the whole matrix: it cannot take padding"
+            )
+        return padded_attention(q, k, v, key_mask, causal=causal, scale=scale)
     if softmax == "matrix":
         return matrix_softmax_attention(q, k, v, causal=causal, scale=scale)
     same_length = q.shape[2] == k.shape[2]
     if same_length and use_triton(q, kernels):
-        from kernels import flash_attention  # imports triton: only when a kernel runs (module docstring)
+        from kernels.flash_attention import flash_attention  # imports triton: when a kernel runs
 
         return flash_attention(q, k, v, causal=causal, scale=scale)
     if causal and q.shape[2] == 1:  # one query after its cache sees every key: no mask, fast path
@@ -128,6 +150,31 @@ def attention(
         visible = torch.arange(t_k, device=q.device)[None, :] <= query_pos  # (Tq, Tk)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+
+def padded_attention(
+    q: torch.Tensor,  # (B, H, Tq, d_qk): the last Tq of the Tk key slots
+    k: torch.Tensor,  # (B, H, Tk, d_qk)
+    v: torch.Tensor,  # (B, H, Tk, d_vo)
+    key_mask: torch.Tensor,  # (B, Tk) bool: False at padding slots
+    *,
+    causal: bool,
+    scale: float,
+) -> torch.Tensor:  # (B, H, Tq, d_vo)
+    """Row-softmax attention of a padded batch, in torch (the flash kernel takes no mask).
+
+    A padding key's score is -inf, so its softmax weight is exactly 0 and it adds nothing to any
+    real query's output. A query that is itself padding would see no key at all (a 0/0 row of
+    NaN whose 0 * NaN would then reach real rows through the values): it sees its own slot
+    instead, which keeps it finite; its output is never read."""
+    t_q, t_k = q.shape[2], k.shape[2]
+    query_slot = torch.arange(t_k - t_q, t_k, device=q.device)[:, None]  # (Tq, 1)
+    key_slot = torch.arange(t_k, device=q.device)[None, :]  # (1, Tk)
+    visible = key_mask[:, None, None, :]  # (B, 1, 1, Tk)
+    if causal:
+        visible = visible & (key_slot <= query_slot)  # (B, 1, Tq, Tk)
+    visible = visible | (key_slot == query_slot)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
 
 
 def matrix_softmax_attention(
@@ -147,47 +194,21 @@ def matrix_softmax_attention(
 # ----------------------------------------------------------------------------- normalisation
 
 
-def layer_norm_reference(
-    x: torch.Tensor,  # (..., N)
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    eps: float,
-    formula: str,
-) -> torch.Tensor:
-    """Row-wise normalisation with population statistics (SPEC section 5), in x's dtype."""
-    if formula == "none":
-        return x
-    if formula == "sqrt_var_eps":
-        return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
-    mu = x.mean(dim=-1, keepdim=True)
-    centred = x - mu
-    sigma = centred.pow(2).mean(dim=-1, keepdim=True).sqrt()
-    if formula == "std_plus_eps":
-        y = centred / (sigma + eps)
-    elif formula == "exact":  # no eps: a constant row is 0/0 = NaN by the seed's definition
-        y = centred / sigma
-    else:
-        raise ValueError(f"unknown normalisation formula {formula!r}")
-    if weight is not None:
-        y = y * weight
-    if bias is not None:
-        y = y + bias
-    return y
-
-
 def layer_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
+    x: torch.Tensor,  # (..., N)
+    weight: torch.Tensor | None,  # (N,)
+    bias: torch.Tensor | None,  # (N,)
     *,
     eps: float,
     formula: str,
     kernels: str = "auto",
 ) -> torch.Tensor:
+    """Row-wise normalisation with population statistics (SPEC section 5) and the optional affine:
+    the Triton kernel, or its torch definition (kernels/reference.py); "none" is the identity."""
     if formula == "none":
         return x
     if use_triton(x, kernels):
-        from kernels import layer_norm as triton_layer_norm  # imports triton: see the module docstring
+        from kernels.layer_norm import layer_norm as triton_layer_norm  # imports triton: module docstring
 
         return triton_layer_norm(x, weight, bias, eps=eps, formula=formula)
     return layer_norm_reference(x, weight, bias, eps, formula)
@@ -208,8 +229,7 @@ def add_layer_norm(
         summed = x + residual
         return summed, summed
     if use_triton(x, kernels):
-        from kernels import add_layer_norm as triton_add_layer_norm  # imports triton: module docstring
+        from kernels.layer_norm import add_layer_norm as fused  # imports triton: module docstring
 
-        return triton_add_layer_norm(x, residual, weight, bias, eps=eps, formula=formula)
-    summed = x + residual
-    return layer_norm_reference(summed, weight, bias, eps, formula), summed
+        return fused(x, residual, weight, bias, eps=eps, formula=formula)
+    return add_layer_norm_reference(x, residual, weight, bias, eps, formula)

@@ -1,19 +1,21 @@
-"""lmsys-prepare: raw text → tokenizer.model + token shards + manifest.json in `data.dir`.
+"""lmsys-prepare: raw text → tokenizer + token shards + manifest.json in `data.dir`.
 
     python -m lmsys.prepare                                  # default corpus, default model
     python -m lmsys.prepare data.sources=[corpus/] data.dir=data/mine model=gpt2_124m
+    python -m lmsys.prepare data.sources=[corpus/] data.tokenizer=hf/gpt2 model=gpt2_124m
 
 Steps: resolve `data.sources` (empty: the default corpus, Python stdlib docstrings), train a
-SentencePiece BPE tokenizer of `model.vocab_size` pieces on a bounded random sample (or reuse
-`data.tokenizer`), encode every document on `data.num_workers` threads, append `eos` after
-each, send each document to the train or validation split, and write the splits as shards of
-at most `data.shard_tokens` tokens. Everything streams: documents go to the workers in batches
-of about 256 KB with a bounded number in flight, a long text file is read and encoded in pieces
-of about 4 MB (lmsys.corpus), and tokens go straight to the shard files, so memory does not
-grow with the corpus. The threads encode with the GIL released (SentencePiece batch calls) while
-this thread reads the next documents and writes the shards.
+SentencePiece BPE tokenizer of `model.vocab_size` pieces on a bounded random sample (or use
+`data.tokenizer`: lmsys's tokenizer.model, or a Hugging Face tokenizer.json such as GPT-2's;
+see lmsys/tokenizer.py), encode every document on `data.num_workers` threads, append `eos`
+after each, send each document to the train or validation split, and write the splits as
+shards of at most `data.shard_tokens` tokens. Everything streams: documents go to the workers in
+batches of about 256 KB with a bounded number in flight, a long text file is read and encoded
+in pieces of about 4 MB (lmsys.corpus), and tokens go straight to the shard files, so memory
+does not grow with the corpus. The threads encode with the GIL released (SentencePiece and
+`tokenizers` batch calls) while this thread reads the next documents and writes the shards.
 
-Output: the prepared-data format of lmsys/shards.py (tokenizer.model, uint16/uint32 shards,
+Output: the prepared-data format of lmsys/shards.py (the tokenizer, uint16/uint32 shards,
 manifest.json). lmsys-prepare's manifest also records the sources read (files with sizes, or the
 default corpus and the Python version), the data config, the creation time, the encoding
 timings, and the `fingerprint` used to decide reuse.
@@ -33,7 +35,10 @@ Settings (Hydra overrides `key=value`; conf/data/default.yaml, lmsys/config.py D
   data.sources=[a.txt,dir/,'x/*.jsonl.gz']  inputs (empty: the default corpus)
   data.dir=data/default                     where to write
   model.vocab_size=N                        tokenizer size (data.vocab_size follows it)
-  data.tokenizer=path/tokenizer.model       reuse a tokenizer instead of training one
+  data.tokenizer=PATH                       use a tokenizer instead of training one: a
+                                            tokenizer.model, a tokenizer.json (GPT-2's byte-level
+                                            BPE...), or a directory holding one (a Hugging Face
+                                            model, an export, a prepared data.dir)
   data.text_field=text                      the .jsonl field holding a document
   data.val_fraction=0.05                    share of documents held out for validation
   data.tokenizer_sample_bytes=20000000      bound on the tokenizer training sample
@@ -63,23 +68,22 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from lmsys.cli import run_cli
+from lmsys.cli import run_cli, warn
 from lmsys.config import Config, compose, config_to_dict
-from lmsys.corpus import Corpus, open_corpus
+from lmsys.corpus import Corpus, FileCorpus, open_corpus
 from lmsys.errors import DataError
 from lmsys.files import install_dir, sibling
 from lmsys.shards import (
     FORMAT_VERSION,
     MANIFEST,
     SPLITS,
-    TOKENIZER_FILE,
     ShardWriter,
     TokenizerMismatch,
     read_manifest,
     token_dtype,
     write_manifest,
 )
-from lmsys.tokenizer import EncoderPool, Tokenizer, train_tokenizer
+from lmsys.tokenizer import SENTENCEPIECE_FILE, EncoderPool, Tokenizer, train_tokenizer
 
 PROG = "lmsys-prepare"
 BATCH_BYTES = 1 << 18  # documents are sent to workers in batches of about this much text
@@ -201,7 +205,8 @@ def _encode_into(
 
 def _tokenizer_section(tok: Tokenizer, given: Tokenizer | None) -> dict[str, Any]:
     return {
-        "file": TOKENIZER_FILE,
+        "kind": tok.kind,
+        "file": tok.path.name,
         "sha256": tok.sha256,
         "vocab_size": tok.vocab_size,
         **tok.special_ids(),
@@ -289,20 +294,23 @@ def _reusable(
 
 
 def _tokenizer_into(tmp: Path, corpus: Corpus, cfg: Config, given: Tokenizer | None) -> Tokenizer:
-    """The tokenizer of the new directory, at tmp/tokenizer.model: a copy of the given one, or
-    one trained on a bounded sample of the corpus."""
+    """The tokenizer of the new directory: a copy of the given one (tokenizer.model, or
+    tokenizer.json with its special tokens), or a tokenizer.model trained on a bounded sample of
+    the corpus."""
     d = cfg.data
     t0 = time.perf_counter()
     if given is not None:
-        shutil.copyfile(given.path, tmp / TOKENIZER_FILE)
-        tok = Tokenizer(tmp / TOKENIZER_FILE)
-        _say(f"using tokenizer {given.path} (vocab_size {tok.vocab_size}, sha256 {tok.sha256[:12]})")
+        tok = Tokenizer(given.copy_to(tmp))
+        _say(
+            f"using tokenizer {given.path} ({tok.kind}, vocab_size {tok.vocab_size}, eos id {tok.eos_id}, "
+            f"sha256 {tok.sha256[:12]})"
+        )
         return tok
     _say(
         f"training a {d.vocab_size}-piece BPE tokenizer on a sample of at most "
         f"{d.tokenizer_sample_bytes:,} bytes"
     )
-    tok = train_tokenizer(corpus, d.vocab_size, tmp / TOKENIZER_FILE, d.tokenizer_sample_bytes, d.seed)
+    tok = train_tokenizer(corpus, d.vocab_size, tmp / SENTENCEPIECE_FILE, d.tokenizer_sample_bytes, d.seed)
     info = tok.training_info or {}
     _say(
         f"tokenizer trained on {info.get('sample_bytes', 0):,} of {info.get('corpus_bytes', 0):,} "
@@ -316,6 +324,8 @@ def prepare(cfg: Config) -> Path:
     d = cfg.data
     out = Path(d.dir).expanduser().resolve()
     corpus = open_corpus(d.sources, text_field=d.text_field, on_decode_error=d.on_decode_error)
+    if isinstance(corpus, FileCorpus):
+        _say(f"sources: {corpus.scan.summary()}")
     given = _given_tokenizer(cfg)
     if not d.overwrite and _reusable(out, _fingerprint(cfg, corpus, given), given, d.tokenizer):
         return out
@@ -345,6 +355,14 @@ def prepare(cfg: Config) -> Path:
         f"encoded {st.documents:,} documents ({mb:.1f} MB){empty}{skipped} in {enc['seconds']:.1f} s "
         f"({mb / max(enc['seconds'], 1e-9):.1f} MB/s, {enc['workers']} workers)"
     )
+    for split in SPLITS:
+        if s[split]["tokens"] == 0:
+            warn(
+                PROG,
+                f"the {split} split is empty ({st.documents} document(s) in all, and a document goes "
+                "to one split whole); lmsys-train needs text in both: add documents, or split a "
+                "long one into several files",
+            )
     _say(
         f"wrote {out}: {s['train']['tokens']:,} train tokens ({s['train']['documents']:,} documents, "
         f"{s['train']['shards']} shards), {s['val']['tokens']:,} val tokens "

@@ -1,17 +1,19 @@
 """The prepared-data format: token shards, their manifest, and the reader the loader builds on.
 
 A prepared directory (`data.dir`, written by lmsys-prepare) holds, in FORMAT_VERSION 1:
-- `tokenizer.model`: the SentencePiece model the shards were encoded with;
+- the tokenizer the shards were encoded with (lmsys.tokenizer): `tokenizer.model`, or a Hugging
+  Face `tokenizer.json` with the `tokenizer_config.json` naming its special tokens;
 - `train_0000.bin`, `train_0001.bin`, ..., `val_0000.bin`, ...: raw little-endian token ids,
   uint16 for vocabularies up to 65,536 pieces and uint32 above (`token_dtype`), no header,
   memmap-able; a split is the concatenation of its shards in order, every document ends with
   eos, and a document may continue into the next shard;
-- `manifest.json`: the format and version, the tokenizer (file, sha256, vocab_size, special
-  ids), the dtype, every shard (file, split, tokens) and the totals per split, plus whatever
-  provenance the writer adds (lmsys-prepare: sources, config, fingerprint, timings).
+- `manifest.json`: the format and version, the tokenizer (kind, file, sha256, vocab_size,
+  special ids; kind "sentencepiece" when absent), the dtype, every shard (file, split, tokens)
+  and the totals per split, plus whatever provenance the writer adds (lmsys-prepare: sources,
+  config, fingerprint, timings).
 
 `read_manifest` checks a directory against its manifest (every shard present with exactly its
-recorded size, the totals adding up, the tokenizer's sha256) before anything reads it;
+recorded size, the totals adding up, the tokenizer file's sha256) before anything reads it;
 `PreparedData` opens a checked directory and serves each split as one memory-mapped array.
 Writing goes through `ShardWriter` (one split, appending) and `write_manifest`.
 """
@@ -34,7 +36,6 @@ if TYPE_CHECKING:
 FORMAT = "lmsys-token-shards"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-TOKENIZER_FILE = "tokenizer.model"
 SPLITS = ("train", "val")
 
 
@@ -52,7 +53,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def read_manifest(directory: str | Path, prog: str = "lmsys-prepare") -> dict[str, Any]:
     """Load `directory/manifest.json` and check it against the files: every shard exists with
-    exactly `tokens * itemsize` bytes, per-split totals add up, and tokenizer.model has the
+    exactly `tokens * itemsize` bytes, per-split totals add up, and the tokenizer file has the
     recorded sha256. Raises DataError naming the problem (and the `prog` command that fixes it)."""
     d = Path(directory)
     hint = f"run `{prog} data.dir={directory}`"
@@ -123,7 +124,7 @@ def write_manifest(
     provenance: dict[str, Any],
 ) -> dict[str, Any]:
     """Close the split writers and write manifest.json: the format's own fields from the shards
-    written and the tokenizer section (`file`, `sha256`, `vocab_size`, special ids, origin),
+    written and the tokenizer section (`kind`, `file`, `sha256`, `vocab_size`, special ids, origin),
     then the writer's `provenance` fields. Returns the manifest."""
     dtype = next(iter(writers.values())).dtype
     shards = [s for split in SPLITS for s in writers[split].close()]

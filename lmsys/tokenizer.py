@@ -1,4 +1,19 @@
-"""SentencePiece BPE tokenizer: training on a bounded sample, exact round trips, parallel encoding.
+"""Tokenizers: one interface, two backends, and the training of lmsys's own SentencePiece model.
+
+`Tokenizer(path)` opens either kind; everything else in lmsys (prepare, the loader, generate,
+eval, export) sees only its interface: `encode`, `encode_batch`, `decode`, `encode_documents`,
+`vocab_size`, `sha256`, the special ids `pad_id`/`bos_id`/`eos_id`/`unk_id` (None when the
+tokenizer has no such token) and `copy_to`. `path` is a file or a directory holding one:
+- `tokenizer.model` (kind "sentencepiece", preferred in a directory): a SentencePiece model with
+  lmsys's reserved ids pad=0, bos=1, eos=2, unk=3, as lmsys-prepare trains it;
+- `tokenizer.json` (kind "hf"): a Hugging Face `tokenizers` file, e.g. GPT-2's byte-level BPE. Its
+  special tokens come from the `tokenizer_config.json` (or `special_tokens_map.json`) beside it,
+  as transformers reads them; without one, `<|endoftext|>` is eos, bos and unk (GPT-2's
+  convention, what transformers' GPT2Tokenizer assumes). An eos is required: lmsys ends every
+  document with it. Text is encoded exactly as `AutoTokenizer.from_pretrained(dir)` does with
+  `add_special_tokens=False` (its `split_special_tokens` setting included); padding and
+  truncation set in the file are turned off (lmsys packs documents itself).
+Neither kind adds bos/eos in `encode`; the packer appends `eos_id` after every document.
 
 SPEC section 1: byte-pair encoding learned from the corpus, SentencePiece in BPE mode with
 `byte_fallback=True`, and reserved ids pad=0, bos=1, eos=2, unk=3 (eos separates documents).
@@ -23,9 +38,11 @@ from __future__ import annotations
 import hashlib
 import heapq
 import io
+import json
 import os
 import random
 import re
+import shutil
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,72 +52,97 @@ from typing import Any
 
 import numpy as np
 import sentencepiece as spm
+import tokenizers
 
 from lmsys.corpus import Corpus, FileCorpus, SourceFile, split_for_training
 from lmsys.errors import DataError
+from lmsys.files import atomic_write_text
 from lmsys.shards import token_dtype
 
-PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3  # lmsys's SentencePiece models
 RESERVED = 4 + 256  # the special pieces plus the 256 byte-fallback pieces
 # SentencePiece training "sentence" cap; longer text is cut (corpus.split_for_training)
 MAX_SENTENCE_BYTES = 8192
 
+SENTENCEPIECE_FILE = "tokenizer.model"
+HF_TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_FILES = (SENTENCEPIECE_FILE, HF_TOKENIZER_FILE)  # in the order a directory is searched
+HF_TOKENIZER_CONFIG = "tokenizer_config.json"  # transformers' settings beside a tokenizer.json
+HF_SPECIAL_TOKENS_MAP = "special_tokens_map.json"  # older transformers' file of special tokens
+SPECIAL_NAMES = ("pad", "bos", "eos", "unk")
+GPT2_EOS = "<|endoftext|>"
+
+
+def tokenizer_file(path: str | os.PathLike) -> Path:
+    """The tokenizer file `path` names: itself, or in a directory its tokenizer.model, else its
+    tokenizer.json. DataError when there is none."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        for name in TOKENIZER_FILES:
+            if (p / name).is_file():
+                return p / name
+        hint = ""
+        if (p / "vocab.json").is_file() and (p / "merges.txt").is_file():
+            hint = (
+                "; it has GPT-2's vocab.json and merges.txt: write a tokenizer.json with transformers, "
+                f"AutoTokenizer.from_pretrained('{p}').save_pretrained('{p}')"
+            )
+        raise DataError(f"tokenizer directory {p} holds no {' or '.join(TOKENIZER_FILES)}{hint}")
+    if not p.is_file():
+        raise DataError(f"tokenizer {p} does not exist")
+    return p
+
 
 class Tokenizer:
-    """A trained SentencePiece model file with lmsys's reserved ids.
+    """A tokenizer of either kind (module docstring): `Tokenizer(path)` opens it and checks it.
 
-    `Tokenizer(path)` loads it and checks pad/bos/eos/unk are 0/1/2/3 (DataError otherwise).
     `encode` never adds bos/eos; the packer appends `eos_id` after every document itself.
     """
 
-    pad_id = PAD_ID
-    bos_id = BOS_ID
-    eos_id = EOS_ID
-    unk_id = UNK_ID
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise DataError(f"tokenizer {self.path} does not exist")
+    def __init__(self, path: str | os.PathLike):
+        self.path = tokenizer_file(path)
         data = self.path.read_bytes()
         self.sha256 = hashlib.sha256(data).hexdigest()
-        self._sp = spm.SentencePieceProcessor()
-        try:
-            self._sp.LoadFromSerializedProto(data)
-        except Exception as e:  # a truncated file or not a SentencePiece model at all
-            raise DataError(
-                f"tokenizer {self.path} is not a SentencePiece model ({str(e).splitlines()[0]})"
-            ) from e
-        ids = (self._sp.pad_id(), self._sp.bos_id(), self._sp.eos_id(), self._sp.unk_id())
-        if ids != (PAD_ID, BOS_ID, EOS_ID, UNK_ID):
-            raise DataError(
-                f"tokenizer {self.path} has pad/bos/eos/unk ids {ids}; lmsys needs "
-                f"{(PAD_ID, BOS_ID, EOS_ID, UNK_ID)} (train it with lmsys-prepare)"
-            )
-        self.vocab_size = int(self._sp.get_piece_size())
+        is_json = self.path.suffix == ".json"
+        self._backend = _TokenizerJson(self.path, data) if is_json else _SentencePiece(self.path, data)
+        self.kind: str = self._backend.kind
+        self.file_name = HF_TOKENIZER_FILE if is_json else SENTENCEPIECE_FILE  # its name in lmsys's dirs
+        self.vocab_size: int = self._backend.vocab_size
+        self.special_tokens: dict[str, str] = self._backend.special_tokens  # e.g. {"eos": "</s>"}
+        ids = {name: self._backend.token_id(token) for name, token in self.special_tokens.items()}
+        self.pad_id: int | None = ids.get("pad")
+        self.bos_id: int | None = ids.get("bos")
+        self.eos_id: int = ids["eos"]
+        self.unk_id: int | None = ids.get("unk")
+        # Whether text spelling a special token ("</s>") is encoded as text (transformers' name):
+        # always for SentencePiece, as the tokenizer.json's transformers settings say otherwise.
+        self.split_special_tokens: bool = self._backend.split_special_tokens
         self.dtype = token_dtype(self.vocab_size)
         self.training_info: dict[str, Any] | None = None  # set by train_tokenizer
 
     def __repr__(self) -> str:
-        return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, sha256={self.sha256[:12]})"
+        return (
+            f"Tokenizer({str(self.path)!r}, kind={self.kind}, vocab_size={self.vocab_size}, "
+            f"sha256={self.sha256[:12]})"
+        )
 
     def encode(self, text: str) -> list[int]:
-        return self._sp.encode(text, out_type=int)
+        return self._backend.encode(text)
 
     def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
-        return self._sp.encode(list(texts), out_type=int, num_threads=num_threads)
+        return self._backend.encode_batch(list(texts), num_threads)
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`; pad/bos/eos decode to nothing, an invalid byte sequence to U+FFFD."""
         if hasattr(ids, "tolist"):  # a tensor or an array
             ids = ids.tolist()
-        return self._sp.decode([int(i) for i in ids])
+        return self._backend.decode([int(i) for i in ids])
 
     def id_to_piece(self, i: int) -> str:
-        return self._sp.id_to_piece(int(i))
+        return self._backend.id_to_piece(int(i))
 
-    def special_ids(self) -> dict[str, int]:
-        return {"pad_id": PAD_ID, "bos_id": BOS_ID, "eos_id": EOS_ID, "unk_id": UNK_ID}
+    def special_ids(self) -> dict[str, int | None]:
+        return {"pad_id": self.pad_id, "bos_id": self.bos_id, "eos_id": self.eos_id, "unk_id": self.unk_id}
 
     def encode_documents(
         self, texts: list[str], ends: np.ndarray | None = None
@@ -109,15 +151,167 @@ class Tokenizer:
         `eos_id`, concatenated, and lengths[i] counts text i's ids plus its eos. With `ends`
         (bool, one per text), a text is a piece of a document and gets an eos only where
         `ends[i]` (the document's last piece)."""
-        # A batch call: SentencePiece releases the GIL while it encodes (EncoderPool relies on it).
-        encoded = self._sp.encode(texts, out_type=int, num_threads=1)
+        # A batch call: both backends encode with the GIL released (EncoderPool relies on it).
+        encoded = self._backend.encode_batch(texts, 1)
         flags = [True] * len(texts) if ends is None else np.asarray(ends, dtype=bool).tolist()
         for ids, end in zip(encoded, flags, strict=True):
             if end:
-                ids.append(EOS_ID)
+                ids.append(self.eos_id)
         lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))  # (texts,)
         tokens = np.fromiter(chain.from_iterable(encoded), dtype=self.dtype, count=int(lengths.sum()))
         return tokens, lengths
+
+    def copy_to(self, directory: Path, model_max_length: int | None = None) -> Path:
+        """Put this tokenizer into `directory` under its kind's name and return that file: a copy
+        of tokenizer.model, or of tokenizer.json with a tokenizer_config.json naming its special
+        tokens (so it reopens with the same ids, in lmsys and in transformers)."""
+        target = directory / self.file_name
+        shutil.copyfile(self.path, target)
+        if self.kind == "hf":
+            write_tokenizer_config(directory, self, model_max_length)
+        return target
+
+
+def write_tokenizer_config(directory: Path, tok: Tokenizer, model_max_length: int | None = None) -> None:
+    """transformers' tokenizer_config.json for `tok`'s ids: the generic fast tokenizer class (it
+    runs tokenizer.json as it is, where a model-specific class may rebuild it), the special
+    tokens, no bos/eos added, no clean-up of spaces in decoding."""
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **{f"{name}_token": token for name, token in tok.special_tokens.items()},
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "split_special_tokens": tok.split_special_tokens,
+        "clean_up_tokenization_spaces": False,
+    }
+    if model_max_length is not None:
+        config["model_max_length"] = model_max_length
+    atomic_write_text(
+        directory / HF_TOKENIZER_CONFIG, json.dumps(config, indent=2, ensure_ascii=False) + "\n"
+    )
+
+
+class _SentencePiece:
+    """A SentencePiece model with lmsys's reserved ids (DataError otherwise)."""
+
+    kind = "sentencepiece"
+    split_special_tokens = True  # SentencePiece never reads a control token from text
+
+    def __init__(self, path: Path, data: bytes):
+        self._sp = spm.SentencePieceProcessor()
+        try:
+            self._sp.LoadFromSerializedProto(data)
+        except Exception as e:  # a truncated file or not a SentencePiece model at all
+            raise DataError(
+                f"tokenizer {path} is not a SentencePiece model ({str(e).splitlines()[0]})"
+            ) from e
+        ids = (self._sp.pad_id(), self._sp.bos_id(), self._sp.eos_id(), self._sp.unk_id())
+        if ids != (PAD_ID, BOS_ID, EOS_ID, UNK_ID):
+            beside = path.with_name(HF_TOKENIZER_FILE)
+            hint = (
+                f"; pass data.tokenizer={beside} to use the tokenizer.json beside it"
+                if beside.is_file()
+                else ""
+            )
+            raise DataError(
+                f"tokenizer {path} has pad/bos/eos/unk ids {ids}; lmsys needs "
+                f"{(PAD_ID, BOS_ID, EOS_ID, UNK_ID)} (train it with lmsys-prepare){hint}"
+            )
+        self.vocab_size = int(self._sp.get_piece_size())
+        self.special_tokens = {name: self._sp.id_to_piece(i) for name, i in zip(SPECIAL_NAMES, ids)}
+
+    def token_id(self, token: str) -> int:
+        return int(self._sp.piece_to_id(token))
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text, out_type=int)
+
+    def encode_batch(self, texts: list[str], num_threads: int) -> list[list[int]]:
+        return self._sp.encode(texts, out_type=int, num_threads=num_threads)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._sp.decode(ids)
+
+    def id_to_piece(self, i: int) -> str:
+        return self._sp.id_to_piece(i)
+
+
+class _TokenizerJson:
+    """A Hugging Face tokenizer.json, run by the `tokenizers` library, with the special tokens
+    and `split_special_tokens` of the transformers settings beside it."""
+
+    kind = "hf"
+
+    def __init__(self, path: Path, data: bytes):
+        try:
+            self._tk = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
+        except Exception as e:  # not UTF-8, not JSON, or not a tokenizer the library knows
+            first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            raise DataError(f"tokenizer {path} is not a Hugging Face tokenizer.json ({first})") from e
+        self._tk.no_padding()
+        self._tk.no_truncation()
+        settings = _transformers_settings(path.parent)
+        self.split_special_tokens = bool(settings.get("split_special_tokens", False))
+        self._tk.encode_special_tokens = self.split_special_tokens
+        vocab = self._tk.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values()) + 1 if vocab else 0
+        self.special_tokens = self._special_tokens(path, settings)
+
+    def _special_tokens(self, path: Path, settings: dict[str, Any]) -> dict[str, str]:
+        named = {name: _token_text(settings.get(f"{name}_token")) for name in SPECIAL_NAMES}
+        found = {name: token for name, token in named.items() if token is not None}
+        if "eos" not in found and self._tk.token_to_id(GPT2_EOS) is not None:
+            # GPT-2's files name no special token: transformers' GPT2Tokenizer assumes these.
+            found = {"bos": GPT2_EOS, "eos": GPT2_EOS, "unk": GPT2_EOS, **found}
+        if "eos" not in found:
+            raise DataError(
+                f"tokenizer {path} names no end-of-document token (lmsys ends every document with one): "
+                f'give it an "eos_token" in {path.parent / HF_TOKENIZER_CONFIG}'
+            )
+        for name, token in found.items():
+            if self._tk.token_to_id(token) is None:
+                raise DataError(f"tokenizer {path}: its {name}_token {token!r} is not in its vocabulary")
+        return {name: found[name] for name in SPECIAL_NAMES if name in found}
+
+    def token_id(self, token: str) -> int:
+        return int(self._tk.token_to_id(token))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tk.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str], num_threads: int) -> list[list[int]]:
+        # the library releases the GIL and spreads a batch over its own threads (num_threads unused)
+        return [e.ids for e in self._tk.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tk.decode(ids, skip_special_tokens=True)
+
+    def id_to_piece(self, i: int) -> str:
+        return self._tk.id_to_token(i) or ""
+
+
+def _transformers_settings(directory: Path) -> dict[str, Any]:
+    """tokenizer_config.json over special_tokens_map.json, as transformers merges them ({} if neither)."""
+    settings: dict[str, Any] = {}
+    for name in (HF_SPECIAL_TOKENS_MAP, HF_TOKENIZER_CONFIG):
+        path = directory / name
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise DataError(f"{path} is not valid JSON ({e})") from e
+        if not isinstance(data, dict):
+            raise DataError(f"{path} is not a JSON object")
+        settings.update(data)
+    return settings
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as transformers saves it: a string, or an AddedToken dict with `content`."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
 
 
 def available_cores() -> int:
@@ -131,7 +325,8 @@ def available_cores() -> int:
 class EncoderPool:
     """Threads that run `Tokenizer.encode_documents` on batches of text.
 
-    Threads, not processes: SentencePiece encodes a batch with the GIL released, so the threads
+    Threads, not processes: SentencePiece (and `tokenizers`, for a tokenizer.json) encodes a
+    batch with the GIL released, so the threads
     encode in parallel while the calling thread reads the corpus and writes shards, and nothing
     is pickled or copied between processes (lmsys.bench prepare on 2 cores: 1.76x single-process
     SentencePiece, where the process pool this replaced reached 1.66x). `encode` keeps at most

@@ -34,7 +34,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import hydra
@@ -47,105 +47,31 @@ from lmsys import engine as eng
 from lmsys import rundir
 from lmsys.cli import report_error, run_cli
 from lmsys.config import CONF_DIR, Config, compose, config_to_dict, to_config
-from lmsys.console import Console
+from lmsys.console import Console, StepReport
 from lmsys.data import Batch, TokenLoader
-from lmsys.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, ConfigError, LmsysError, Stopped, TrainingError
+from lmsys.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, LmsysError, Stopped, TrainingError
+from lmsys.export import initial_model
 from lmsys.metrics import MetricsLogger, device_name, device_peak_flops, memory_gb, mfu
-from lmsys.model import Transformer, next_token_pairs, tokens_per_sample
-from lmsys.ops import prepare_kernels
+from lmsys.model import Transformer, next_token_pairs
 from lmsys.plots import plot_losses
+from lmsys.run_plan import RunPlan, agree_on_run, elastic_ids, open_data, schedule_horizon, start_processes
 from lmsys.runtime import (
     Setup,
     batch_plan,
-    env_dist_info,
-    resolve_device,
-    resolve_precision,
-    resume_batch_plan,
     seed_everything,
 )
 from lmsys.shards import PreparedData
 from lmsys.stopping import StopRequest
-from lmsys.sweep.multirun import check_multirun, in_multirun, multirun_defaults, shared_sweep_dir
+from lmsys.sweep.multirun import (
+    check_multirun,
+    in_multirun,
+    job_header,
+    multirun_defaults,
+    shared_sweep_dir,
+)
+from lmsys.train_help import usage
 
 PROG = "lmsys-train"
-
-
-# ----------------------------------------------------------------------------- setup
-
-
-def _elastic_ids() -> tuple[str | None, int]:
-    return os.environ.get("TORCHELASTIC_RUN_ID"), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def open_data(cfg: Config) -> PreparedData:
-    """The prepared data, refused (DataError) when it does not fit the model or the sequence length."""
-    data = PreparedData(cfg.data.dir)
-    data.check_model(cfg.model)
-    data.check_sequences(tokens_per_sample(cfg.model, cfg.data.seq_len))
-    return data
-
-
-def start_processes(cfg: Config) -> tuple[torch.device, str]:
-    """Device, kernels and precision, then the process group."""
-    t = cfg.trainer
-    device = resolve_device(t.device, env_dist_info().local_rank, key="trainer.device")
-    prepare_kernels(cfg.model.kernels, device)  # before anything imports triton (DeepSpeed does)
-    precision = resolve_precision(cfg.deepspeed.precision, device)
-    eng.init_distributed(device, t.dist_timeout_s)
-    return device, precision
-
-
-@dataclass
-class RunPlan:
-    run_dir: Path
-    resume: ckpt.Checkpoint | None  # the checkpoint to continue from
-    damaged: list[Path] = field(default_factory=list)  # newer checkpoints the resume passed over
-
-
-def plan_run(cfg: Config, tokenizer_sha256: str, world_size: int, warn: Callable[[str], None]) -> RunPlan:
-    """Rank 0, read-only: where the run lives and what it resumes from. Raises user errors."""
-    t = cfg.trainer
-    if t.run_dir:
-        run_dir = Path(t.run_dir)
-        if run_dir.exists() and not run_dir.is_dir():
-            raise ConfigError(f"trainer.run_dir={t.run_dir} exists and is not a directory")
-    else:  # after a torchrun restart: the directory of the job's first attempt
-        run_id, restarts = _elastic_ids()
-        restarted = rundir.find_restarted_run(cfg.model.name, run_id) if run_id and restarts else None
-        run_dir = restarted or rundir.new_run_dir(cfg.model.name)
-    found, damaged = None, []
-    if t.resume == "auto":
-        found = ckpt.find_latest(run_dir, warn, damaged=damaged) if run_dir.exists() else None
-    elif t.resume == "never":
-        if ckpt.list_checkpoints(run_dir / rundir.CHECKPOINTS):
-            raise ConfigError(
-                f"trainer.run_dir={run_dir} already holds checkpoints and trainer.resume=never; "
-                "use trainer.resume=auto to continue it or choose another trainer.run_dir"
-            )
-    elif not Path(t.resume).is_dir():
-        raise ConfigError(f"trainer.resume={t.resume} is not a checkpoint directory (nor a run directory)")
-    else:
-        found = ckpt.resolve(t.resume, warn)  # a checkpoint directory, or a run's newest intact one
-    if found is not None:
-        model_dict = config_to_dict(cfg)["model"]
-        ckpt.check_compatible(found.state, model_dict, tokenizer_sha256)
-        resume_batch_plan(cfg, world_size, found.step)
-    return RunPlan(run_dir, found, damaged)
-
-
-def agree_on_run(cfg: Config, rank: int, world_size: int, tokenizer_sha256: str, console: Console) -> RunPlan:
-    """Rank 0 plans the run and every rank receives the same plan, or raises the same error."""
-    box: list[RunPlan | LmsysError | None] = [None]
-    if rank == 0:
-        try:
-            box[0] = plan_run(cfg, tokenizer_sha256, world_size, console.warn)
-        except LmsysError as exc:
-            box[0] = exc
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], LmsysError):
-        raise box[0]
-    assert box[0] is not None
-    return box[0]
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -166,15 +92,18 @@ class Trainer:
 
     def __init__(self, cfg: Config, setup: Setup, data: PreparedData, run: RunPlan, console: Console):
         t, plan = cfg.trainer, setup.plan
+        cfg = replace(cfg, optim=replace(cfg.optim, decay_steps=schedule_horizon(cfg, run.resume)))
         self.cfg, self.setup, self.run_dir, self.console = cfg, setup, run.run_dir, console
         seed_everything(t.seed)  # identical initialisation on every rank
-        model = Transformer(cfg.model)
+        model = self._first_model(data, run)
         self.n_params = model.num_parameters()
         self.flops_per_token = model.flops_per_token(plan.seq_len)
         self.peak_flops = device_peak_flops(setup.device)  # per device; None on CPU: no MFU
+        started = time.perf_counter()
         self.engine, self.engine_info, self.ds_json = eng.initialize(
             model, cfg, plan, setup.device, setup.precision
         )
+        self.engine_seconds = time.perf_counter() - started
         self.loader = TokenLoader(
             data,
             "train",
@@ -209,6 +138,17 @@ class Trainer:
         self.stats_written = False
         self.logger: MetricsLogger | None = None
 
+    def _first_model(self, data: PreparedData, run: RunPlan) -> Transformer:
+        """A new model, or with model.init_from the export's weights (unless the run resumes:
+        then the checkpoint's weights win), before the engine wraps it."""
+        init_from = self.cfg.model.init_from
+        if init_from and run.resume is None:
+            self.console.say(f"{PROG}: starting from the weights of model.init_from={init_from}")
+            return initial_model(init_from, self.cfg.model, data.tokenizer_sha256)
+        if init_from:
+            self.console.say(f"{PROG}: resuming {run.resume.tag_dir}: model.init_from={init_from} is ignored")
+        return Transformer(self.cfg.model)
+
     def _resume(self, found: ckpt.Checkpoint) -> None:
         setup, stage = self.setup, self.cfg.deepspeed.stage
         ckpt.load(self.engine, found, setup.world_size, stage, setup.precision)
@@ -231,15 +171,38 @@ class Trainer:
                 f"to ZeRO-{stage} on {setup.world_size}, {setup.precision}"
             )
         self.console.say(f"{PROG}: resumed from {found.tag_dir} (step {saved.step}{how})")
+        self._say_extension(saved)
+
+    def _say_extension(self, saved: ckpt.TrainState) -> None:
+        """What a resume continues: the rest of the run, or more steps than it was started with."""
+        before = int(saved.config["trainer"]["max_steps"])
+        now, horizon = self.cfg.trainer.max_steps, self.cfg.optim.decay_steps
+        if now <= saved.step or now == before:
+            return
+        if now < before:
+            self.console.say(f"{PROG}: trainer.max_steps lowered from {before} to {now}")
+            return
+        if horizon >= now:
+            plan = f"its cosine ends at step {horizon} (optim.decay_steps)"
+        else:
+            floor = self.cfg.optim.lr * self.cfg.optim.min_lr_ratio
+            plan = (
+                f"the learning rate keeps its schedule: cosine to step {horizon}, then {floor:.2e} to "
+                f"the end (optim.decay_steps={now} stretches the cosine over all {now} steps)"
+            )
+        self.console.say(f"{PROG}: trainer.max_steps extended from {before} to {now}; {plan}")
 
     def open_run_dir(self) -> None:
         """Only now, with the checkpoint and loader state accepted, does the run directory change
         (a refused resume leaves it as it was): run files, the metrics logger, the banner."""
         cfg, setup = self.cfg, self.setup
         if setup.rank == 0:
-            run_id, restarts = _elastic_ids()
+            run_id, restarts = elastic_ids()
             launch = {
                 "resumed_from": str(self.resumed.tag_dir) if self.resumed else None,
+                "init_from": str(Path(cfg.model.init_from).resolve())
+                if cfg.model.init_from and not self.resumed
+                else None,
                 "torchelastic_restart": restarts,
                 "world_size": setup.world_size,
                 "device": str(setup.device),
@@ -278,8 +241,19 @@ class Trainer:
             f"{PROG}: ZeRO stage {info.stage}, world size {setup.world_size}, "
             f"device {device_name(setup.device)}, {setup.precision}, {info.optimizer}"
             + "".join(text for on, text in extras if on)
-            + f"\n{PROG}: steps {self.start_step + 1}..{cfg.trainer.max_steps}, run directory {self.run_dir}"
+            + f" (ready in {self.engine_seconds:.1f} s)"
+            + f"\n{PROG}: {self._steps_planned()}, run directory {self.run_dir}"
+            + f"\n{PROG}: validation every {cfg.trainer.eval_interval} steps on {self.val_coverage()}"
+            + ("" if cfg.trainer.eval_batches == 0 else " (trainer.eval_batches=0: the whole split)")
         )
+        if self.logger is not None:
+            self.console.say(f"{PROG}: {self.logger.wandb_line()}")
+
+    def _steps_planned(self) -> str:
+        first, last = self.start_step + 1, self.cfg.trainer.max_steps
+        if first > last:
+            return f"no steps to run: the checkpoint is at step {self.start_step} (trainer.max_steps={last})"
+        return f"steps {first}..{last}"
 
     # -- one optimizer step -------------------------------------------------------------------
 
@@ -360,13 +334,14 @@ class Trainer:
         if result.outcome.applied and not self.stats_written:
             self._write_engine_stats()
         tokens_per_s = plan.tokens_per_step / result.seconds
+        utilisation = mfu(self.flops_per_token, tokens_per_s, self.peak_flops, plan.world_size)
         if self.logger is not None:
             values = {
                 "loss": result.loss,
                 "lr": result.lr,
                 "grad_norm": result.outcome.grad_norm,
                 "tokens_per_s": tokens_per_s,
-                "mfu": mfu(self.flops_per_token, tokens_per_s, self.peak_flops, plan.world_size),
+                "mfu": utilisation,
                 "step_time_s": result.seconds,
                 # wall time since this launch's first step began, logging of earlier steps
                 # included: differences give the loop's true per-step cost (lmsys.bench train)
@@ -386,7 +361,19 @@ class Trainer:
                 f"{t.max_nan_skips}; stopping at step {result.step} (lower optim.lr or raise "
                 f"optim.warmup_steps; checkpoints in {self.run_dir / rundir.CHECKPOINTS})"
             )
-        self.console.step_done(result.loss, tokens_per_s)
+        self.console.step_done(
+            StepReport(
+                step=result.step,
+                max_steps=t.max_steps,
+                loss=result.loss,
+                lr=result.lr,
+                grad_norm=result.outcome.grad_norm,
+                tokens_per_s=tokens_per_s,
+                mfu=utilisation,
+                elapsed_s=elapsed_s,
+                steps_done=result.step - self.start_step,
+            )
+        )
 
     def _write_engine_stats(self) -> None:
         """What each rank holds (after the first applied step: Adam's state exists from then on)."""
@@ -397,17 +384,24 @@ class Trainer:
             stats = {"engine": self.engine_info.as_dict(), "ranks": gathered}
             rundir.write_json(self.run_dir, rundir.ENGINE_STATS_FILE, stats)
 
+    def val_coverage(self) -> str:
+        """`all 240 val sequences` or `224 of 240 val sequences`."""
+        covered, total = self.loader.val_coverage(self.cfg.trainer.eval_batches)
+        return f"all {total} val sequences" if covered == total else f"{covered} of {total} val sequences"
+
     def evaluate(self) -> float:
-        """The weighted mean loss on trainer.eval_batches validation micro-batches of every rank."""
+        """The weighted mean loss on trainer.eval_batches validation micro-batches of every rank
+        (0: the whole validation split)."""
         engine, device = self.engine, self.setup.device
         engine.eval()
         total = torch.zeros(2, dtype=torch.float64, device=device)  # (weighted loss, weight)
         with torch.no_grad():
             for batch in self.loader.val_batches(self.cfg.trainer.eval_batches):
                 weight = self._prediction_weight(batch)
-                loss = engine(batch.tokens.to(device), batch.weights.to(device))
-                total[0] += loss.double() * weight
-                total[1] += weight
+                loss = engine(batch.tokens.to(device), batch.weights.to(device))  # every rank runs it
+                if weight > 0:  # the whole split's last round may hold only weight-0 filler rows
+                    total[0] += loss.double() * weight
+                    total[1] += weight
         dist.all_reduce(total)
         engine.train()
         return (total[0] / total[1]).item() if total[1].item() > 0 else float("nan")
@@ -416,11 +410,12 @@ class Trainer:
         self.last_val = self.evaluate()
         if self.logger is not None:
             self.logger.log("eval", step, {"loss": self.last_val, "ppl": math.exp(min(self.last_val, 80.0))})
-        self.console.say(f"{PROG}: step {step}: train loss {train_loss:.4f}, val loss {self.last_val:.4f}")
+        self.console.eval_done(step, train_loss, self.last_val, self.val_coverage())
 
-    def save(self) -> Path:
+    def save(self, announce: bool = True) -> Path:
         t = self.cfg.trainer
         rank_state = {"loader": self.loader.state_dict(), "rng": ckpt.rng_state()}
+        start = time.perf_counter()
         saved = ckpt.save(
             self.engine,
             self.run_dir,
@@ -432,6 +427,8 @@ class Trainer:
             pause_s=t.debug_save_delay_s,
         )
         self.saved_step = self.state.step
+        if announce:
+            self.console.say(f"{PROG}: saved checkpoint {saved} ({time.perf_counter() - start:.1f} s)")
         return saved
 
     def _debug_faults(self, step: int) -> None:
@@ -439,7 +436,7 @@ class Trainer:
         t = self.cfg.trainer
         if t.debug_step_delay_s > 0:
             time.sleep(t.debug_step_delay_s)
-        _, restarts = _elastic_ids()
+        _, restarts = elastic_ids()
         if t.debug_crash_at_step == step and self.setup.rank == self.setup.world_size - 1 and restarts == 0:
             print(
                 f"{PROG}: debug: rank {self.setup.rank} exits at step {step} (trainer.debug_crash_at_step)",
@@ -499,7 +496,7 @@ class Trainer:
         try:
             path = self.run_dir / rundir.CHECKPOINTS / ckpt.tag_for(step)
             if self.saved_step != step:
-                path = self.save()
+                path = self.save(announce=False)  # the stop line says it
         except BaseException:
             self.console.status(" not saved")
             raise
@@ -513,6 +510,7 @@ class Trainer:
 
     def _finish(self, elapsed: float) -> None:
         t = self.cfg.trainer
+        wandb_line = self.logger.wandb_line() if self.logger is not None else ""
         if self.logger is not None:
             self.logger.summary(
                 {
@@ -538,6 +536,8 @@ class Trainer:
                 f"loss {first} -> {last}{val}"
             )
         self.console.say(f"{PROG}: run directory: {self.run_dir.resolve()}")
+        if wandb_line:
+            self.console.say(f"{PROG}: {wandb_line}")
         dist.barrier()
 
 
@@ -549,9 +549,14 @@ def train(cfg: Config, step_hook: Callable[[int], None] | None = None) -> Path:
     stop.install()
     try:
         data = open_data(cfg)  # every mistake in the data is reported before the process group forms
+        rank = int(os.environ.get("RANK", "0"))  # torchrun's; the process group forms below
+        console = Console(PROG, rank, cfg.trainer.progress, cfg.logger.console_interval)
+        console.say(
+            f"{PROG}: starting: process group, model, DeepSpeed engine (a first run on a machine also "
+            "builds DeepSpeed's ops: a minute or two)"
+        )
         device, precision = start_processes(cfg)
         rank, world = dist.get_rank(), dist.get_world_size()
-        console = Console(PROG, rank, cfg.trainer.progress)
         run = agree_on_run(cfg, rank, world, data.tokenizer_sha256, console)  # a resume's batch check first
         setup = Setup(device, precision, rank, world, batch_plan(cfg, world))
         trainer = Trainer(cfg, setup, data, run, console)
@@ -572,6 +577,9 @@ def train(cfg: Config, step_hook: Callable[[int], None] | None = None) -> Path:
 def _hydra_task(dcfg: DictConfig) -> None:
     """A job of `lmsys-train -m` (or a run with Hydra's own flags)."""
     multirun_defaults(dcfg)  # `-m`: run_dir <sweep dir>/<job number>, W&B group = the sweep's name
+    header = job_header(dcfg)
+    if header and os.environ.get("RANK", "0") == "0":
+        print(f"{PROG}: {header}", flush=True)
     try:
         train(to_config(dcfg))
     except Stopped as stop:
@@ -613,7 +621,10 @@ def _is_plain_run(argv: list[str]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    die_with_launcher()
+
+    def show_help() -> int:
+        print(usage(PROG, __doc__ or "", [a for a in argv if not a.startswith("-")]))
+        return 0
 
     def plain_run() -> int:
         try:
@@ -628,6 +639,9 @@ def main(argv: list[str] | None = None) -> int:
         check_multirun(argv)  # every job composed up front: a mistake is one line before any job runs
         return 0
 
+    if any(arg in ("-h", "--help") for arg in argv):
+        return run_cli(PROG, show_help)
+    die_with_launcher()
     if _is_plain_run(argv):
         return run_cli(PROG, plain_run)
     if "-m" in argv or "--multirun" in argv:

@@ -7,9 +7,11 @@ stored once, as `tok_emb.weight`, and re-tied when a model is built.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from lmsys.config import ModelConfig
 from lmsys.errors import ExportError
@@ -33,6 +35,18 @@ class _SkipInit(torch.overrides.TorchFunctionMode):
         if getattr(func, "__name__", None) in self.SKIP:
             return args[0] if args else next(iter((kwargs or {}).values()))
         return func(*args, **(kwargs or {}))
+
+
+def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """All tensors and the header metadata of a safetensors file (never unpickles)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:
+        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+        raise ExportError(f"{path} is not a readable safetensors file ({first})") from exc
+    return tensors, metadata
 
 
 def skeleton(cfg: ModelConfig) -> Transformer:

@@ -56,8 +56,8 @@ from lmsys.metrics import device_name, device_peak_flops, mfu
 from lmsys.model import Transformer
 from lmsys.ops import prepare_kernels
 from lmsys.runtime import batch_plan, resolve_device, resolve_precision, seed_everything
-from lmsys.shards import TOKENIZER_FILE, PreparedData, ShardWriter, token_dtype, write_manifest
-from lmsys.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from lmsys.shards import PreparedData, ShardWriter, token_dtype, write_manifest
+from lmsys.tokenizer import BOS_ID, EOS_ID, PAD_ID, SENTENCEPIECE_FILE, UNK_ID
 from lmsys.train import train
 
 PROG = "lmsys-bench train"
@@ -129,7 +129,7 @@ def write_synthetic_data(directory: Path, vocab_size: int, train_tokens: int, se
     for split, n in counts.items():
         tokens = rng.integers(0, vocab_size, size=n, dtype=np.int64)
         writers[split].add(tokens, np.array([n]), np.array([True]))
-    tokenizer = directory / TOKENIZER_FILE
+    tokenizer = directory / SENTENCEPIECE_FILE
     tokenizer.write_bytes(b"synthetic benchmark data: no tokenizer\n")
     tokenizer_section = {
         "file": tokenizer.name,

@@ -136,3 +136,23 @@ def other_tokenizer(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data_other_tok") / "tokenizer.model"
     train_tokenizer(texts, VOCAB, path, seed=7)
     return path
+
+
+BPE_VOCAB = 384  # a GPT-2-style byte-level BPE: 256 bytes, 127 merges, <|endoftext|> last
+
+
+@pytest.fixture(scope="session")
+def bpe_dir(tmp_path_factory, corpus_dir) -> Path:
+    """A directory holding a byte-level BPE trained with `tokenizers` on the synthetic corpus, as
+    OpenAI's GPT-2 files hold theirs: tokenizer.json, and a tokenizer_config.json naming no
+    special token (`<|endoftext|>` is implied)."""
+    from lmsys.corpus import FileCorpus
+    from tests.hf_files import train_byte_level_bpe
+
+    texts = list(FileCorpus.from_sources([str(corpus_dir)]).documents())
+    tokenizer = train_byte_level_bpe(texts, BPE_VOCAB)
+    out = tmp_path_factory.mktemp("data_bpe") / "gpt2-style"
+    out.mkdir()
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 1024}))
+    return out

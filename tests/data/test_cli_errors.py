@@ -147,3 +147,13 @@ def test_bad_config(tmp_path, out_root, overrides, fragments):
 def test_help(tmp_path):
     proc = run_prepare("--help", cwd=tmp_path)
     assert proc.returncode == 0 and "data.sources" in proc.stdout and "data.on_decode_error" in proc.stdout
+
+
+def test_a_split_left_empty_is_warned_about(tmp_path, out_root):
+    """One document goes to one split whole: the other one is empty, which training refuses."""
+    (tmp_path / "only.txt").write_text(synthetic_text(random.Random(0), 40), encoding="utf-8")
+    sources = f"data.sources=[{tmp_path / 'only.txt'}]"
+    proc = run_prepare(sources, f"data.dir={out_root / 'out'}", f"model.vocab_size={VOCAB}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    warnings = [ln for ln in proc.stderr.splitlines() if "warning" in ln]
+    assert len(warnings) == 1 and "the val split is empty (1 document(s) in all" in warnings[0]

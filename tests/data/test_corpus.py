@@ -35,14 +35,40 @@ def test_resolve_sources_kinds_and_order(corpus_dir):
         ("missing_dir", "does not exist"),
         ("empty_dir", "has no .txt, .md, .jsonl"),
         ("*.nothing", "matched no files"),
-        ("table.csv", "not a supported file type"),
+        ("bin_dir", r"has no .* files \(it matched 1 binary, 1 of other types\)"),
+        ("bin_dir/*", r"glob .* has no .* files \(it matched 1 binary, 1 of other types\)"),
     ],
 )
 def test_resolve_sources_errors(tmp_path, entry, message):
     (tmp_path / "empty_dir").mkdir()
-    (tmp_path / "table.csv").write_text("a,b\n")
+    (tmp_path / "bin_dir").mkdir()
+    (tmp_path / "bin_dir" / "blob").write_bytes(b"\x7fELF\x00\x01\x02")  # no extension, not text
+    (tmp_path / "bin_dir" / "image.png").write_bytes(b"\x89PNG\r\n")
     with pytest.raises(DataError, match=message):
         resolve_sources([str(tmp_path / entry)])
+
+
+def test_text_is_recognised_by_content(tmp_path):
+    """Named explicitly, a file is read as text whatever its name; in a directory or glob, files
+    without an extension are read when they are UTF-8 text, and what is skipped is counted."""
+    (tmp_path / "table.csv").write_text("a,b\n1,2\n")
+    assert [f.path.name for f in resolve_sources([str(tmp_path / "table.csv")])] == ["table.csv"]
+    licenses = tmp_path / "licenses"
+    licenses.mkdir()
+    for name in ("GPL-3", "copyright", "COPYING"):
+        (licenses / name).write_text(f"{name}: Permission is hereby granted, free of charge ...\n")
+    (licenses / "NOTICE").write_text("Ünïcödé text ✓ " * 2000)  # longer than the sniffed head
+    (licenses / "blob").write_bytes(bytes(range(256)))
+    (licenses / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    corpus = FileCorpus.from_sources([str(licenses)])
+    assert sorted(f.path.name for f in corpus.files) == ["COPYING", "GPL-3", "NOTICE", "copyright"]
+    assert corpus.scan.summary() == (
+        "6 files matched, 4 read; 4 of them without an extension, read as UTF-8 text; "
+        "skipped: 1 binary without an extension, 1 of other types (.png)"
+    )
+    assert len(list(corpus.documents())) == 4
+    globbed = resolve_sources([str(licenses / "*")])
+    assert [f.path.name for f in globbed] == ["COPYING", "GPL-3", "NOTICE", "copyright"]
 
 
 def test_documents_from_every_format(tmp_path):

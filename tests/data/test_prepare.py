@@ -74,6 +74,14 @@ def test_reuse_when_nothing_changed(prepared, corpus_dir, tmp_path):
     assert "reusing" in proc.stdout and (prepared / MANIFEST).read_bytes() == before
 
 
+def test_prepare_says_what_its_sources_matched(prepared, corpus_dir, tmp_path):
+    """The corpus directory holds 16 readable files and ignored.csv (hidden files are not matched)."""
+    proc = run_prepare(*base_overrides(corpus_dir, prepared), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    line = next(ln for ln in proc.stdout.splitlines() if "sources:" in ln)
+    assert line == "lmsys-prepare: sources: 17 files matched, 16 read; skipped: 1 of other types (.csv)"
+
+
 @pytest.fixture
 def copy(prepared, tmp_path) -> Path:
     out = tmp_path / "copy"

@@ -119,10 +119,12 @@ def small_config(preset: str = "tiny", extra: list[str] | None = None):
     return compose_model(preset, [*SMALL, *(extra or [])])
 
 
+CORPUS_MODULES = ["json", "argparse", "collections", "functools", "itertools", "pathlib", "re", "os",
+                  "textwrap", "string", "heapq", "bisect"]  # fmt: skip
+
+
 def _write_corpus(directory: Path) -> None:
-    modules = ["json", "argparse", "collections", "functools", "itertools", "pathlib", "re", "os",
-               "textwrap", "string", "heapq", "bisect"]  # fmt: skip
-    write_docstring_files(directory, modules)
+    write_docstring_files(directory, CORPUS_MODULES)
 
 
 @pytest.fixture(scope="session")
@@ -156,6 +158,48 @@ def random_export(tmp_path_factory, tokenizer_path) -> Path:
     model = Transformer(cfg)
     out = tmp_path_factory.mktemp("exports") / "random"
     return write_export(out, cfg, model.state_dict(), tokenizer_path, {"step": 0})
+
+
+@pytest.fixture(scope="session")
+def hf_export(tmp_path_factory, tokenizer_path) -> Path:
+    """A format=hf export of a random-weight small tiny model with lmsys's SentencePiece tokenizer:
+    config.json (GPT2Config), model.safetensors, tokenizer.model, tokenizer.json,
+    tokenizer_config.json, generation_config.json, README.md."""
+    from lmsys.export import write_export
+    from lmsys.model import Transformer
+
+    cfg = small_config()
+    torch.manual_seed(3)
+    model = Transformer(cfg)
+    out = tmp_path_factory.mktemp("hf_exports") / "random-hf"
+    return write_export(out, cfg, model.state_dict(), tokenizer_path, {"step": 0}, fmt="hf")
+
+
+BPE_VOCAB = 384  # the byte-level BPE of hf_gpt2_dir: 256 bytes, 127 merges, <|endoftext|> last
+
+
+@pytest.fixture(scope="session")
+def hf_gpt2_dir(tmp_path_factory) -> Path:
+    """A transformers GPT-2 directory as a user holds OpenAI's, at test size: a random
+    GPT2LMHeadModel (n_embd 32, 2 layers, 2 heads, n_positions SEQ, every weight off its initial
+    value) saved with save_pretrained, and a byte-level BPE trained with `tokenizers` on the test
+    corpus's text (tokenizer.json, a tokenizer_config.json naming no special token)."""
+    from tests.hf_files import random_gpt2, save_gpt2_directory, train_byte_level_bpe
+    from tests.stdlib_text import module_docstrings
+
+    texts = [doc for name in CORPUS_MODULES for doc in module_docstrings(name)]
+    tokenizer = train_byte_level_bpe(texts, BPE_VOCAB)
+    model = random_gpt2(BPE_VOCAB, tokenizer.token_to_id("<|endoftext|>"), n_positions=SEQ)
+    out = tmp_path_factory.mktemp("hf_gpt2") / "gpt2-test"
+    return save_gpt2_directory(out, model, tokenizer)
+
+
+@pytest.fixture(scope="session")
+def gpt2_import(tmp_path_factory, hf_gpt2_dir) -> Path:
+    """`hf_gpt2_dir` imported by lmsys-import's function: an lmsys export of it."""
+    from lmsys.hf_import import import_checkpoint
+
+    return import_checkpoint(hf_gpt2_dir, tmp_path_factory.mktemp("imports") / "gpt2-test")
 
 
 # ----------------------------------------------------------------------------- subprocess jobs

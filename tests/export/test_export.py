@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from lmsys.errors import CheckpointError
 from lmsys.export import (
     ExportError,
     export_checkpoint,
@@ -18,7 +19,6 @@ from lmsys.export import (
     load_model,
     write_export,
 )
-from lmsys.errors import CheckpointError
 from lmsys.model import Transformer
 from tests.export.conftest import SEQ, VOCAB, small_config
 

@@ -159,3 +159,50 @@ def test_targets_without_rows_or_verdicts():
     assert "met" not in text.replace("no verdict", "")
     hbm = next(line for line in text.splitlines() if "% of peak HBM" in line)
     assert "n/a" in hbm  # the peak bandwidth is unknown: no value, not 0%
+
+
+def test_full_grids_cover_gpt2_shapes():
+    """Issue #12: GPT-2's causal attention (d = 64, T = 1024) and its layer-norm widths are benched."""
+    from kernels.bench import LN_WIDTHS
+    from kernels.bench_attention import _shapes
+
+    shapes = _shapes("cuda", smoke=False)  # the list only; nothing runs
+    assert (16, 12, 1024, 64) in shapes and (16, 25, 1024, 64) in shapes
+    assert {768, 1024, 1280, 1600} <= set(LN_WIDTHS) and max(LN_WIDTHS) == 16384
+
+
+def _gpt2_lines(rows: list[dict], verdicts: bool = True) -> dict[str, str]:
+    from kernels.bench import GPT2_TARGETS
+
+    text = format_targets(rows, verdicts, GPT2_TARGETS, "issue #12, GPT-2 shapes")
+    lines = text.splitlines()
+    assert lines[0].startswith("targets (issue #12, GPT-2 shapes")
+    return {what: line for (what, *_), line in zip(GPT2_TARGETS, lines[1:])}
+
+
+def test_gpt2_targets_read_the_right_rows():
+    attn = lambda op, tflops, **kw: {"op": op, "causal": True, "d": 64, "T": 1024, "tflops": tflops, **kw}
+    ln = lambda op, n, pct, ratio: {"op": op, "n": n, "pct_peak_hbm": pct, "ratio": ratio}
+    rows = [
+        attn("attention fwd", 295.0),
+        attn("attention fwd", 100.0, T=4096),  # not GPT-2's length: not covered
+        attn("attention fwd", 100.0, causal=False),
+        attn("attention bwd", 280.0),
+        ln("layer_norm fwd", 2048, 60.0, 2.0),  # below 4096: not covered by the 85% target
+        ln("layer_norm fwd", 4096, 86.0, 1.6),
+        ln("layer_norm fwd", 16384, 90.0, 1.7),
+        ln("layer_norm fwd+bwd", 768, 71.0, 1.5),
+        ln("layer_norm fwd+bwd", 16384, 40.0, 1.4),  # above 8192: not covered by the 70% target
+    ]
+    lines = _gpt2_lines(rows)
+    fwd, bwd, ln_fwd, ln_both, ratio = lines.values()
+    assert "worst 295 TFLOP/s over 1 row(s); target >= 290 TFLOP/s: met" in fwd
+    assert "worst 280 TFLOP/s" in bwd and bwd.endswith(": NOT met")
+    assert "worst 86% over 2 row(s)" in ln_fwd and ln_fwd.endswith(": met")
+    assert "worst 71% over 1 row(s)" in ln_both and ln_both.endswith(": met")
+    assert "worst 1.4x over 5 row(s)" in ratio and ratio.endswith(": NOT met")
+
+
+def test_gpt2_targets_without_verdicts_or_rows():
+    lines = _gpt2_lines([], verdicts=False)
+    assert all("n/a" in line and "met" not in line for line in lines.values())

@@ -6,6 +6,7 @@ wiring in lmsys/ops.py and the kernels' agreement with the torch path inside a w
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -16,12 +17,16 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
 from lmsys.config import compose_model
 from lmsys.model import Transformer
 from tests.conftest import DEVICE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+KERNEL_MODULES = {
+    "flash_attention": "kernels.flash_attention",
+    "layer_norm": "kernels.layer_norm",
+    "add_layer_norm": "kernels.layer_norm",
+}
 
 SMALL = ["vocab_size=37", "d_model=32", "n_heads=2", "n_layers=2", "max_seq_len=24", "ffn.d_ff=48"]
 PRESETS = {
@@ -55,16 +60,18 @@ def _pair(preset: str, extra: list[str]) -> tuple[Transformer, Transformer]:
 
 
 def _count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Counter:
-    """Wrap the kernels' entry points (lmsys.ops imports them from `kernels` at call time)."""
+    """Wrap the kernels' entry points in their modules (lmsys.ops imports them from there at call
+    time)."""
     calls: Counter = Counter()
-    for name in ("flash_attention", "layer_norm", "add_layer_norm"):
-        original = getattr(kernels, name)
+    for name, module_name in KERNEL_MODULES.items():
+        module = importlib.import_module(module_name)
+        original = getattr(module, name)
 
         def counted(*args, _name=name, _original=original, **kwargs):
             calls[_name] += 1
             return _original(*args, **kwargs)
 
-        monkeypatch.setattr(kernels, name, counted)
+        monkeypatch.setattr(module, name, counted)
     return calls
 
 
@@ -158,10 +165,14 @@ def test_prepare_kernels_selects_the_interpreter_before_triton_is_imported():
         _TRITON_VS_TORCH,
         """
         assert ops._imported_triton_mode() == "interpreter"
+        ops.prepare_kernels("triton", torch.device("cpu"))  # again: no second warning
         """,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "layer_norm: triton ok" in proc.stdout and "attention: triton ok" in proc.stdout, proc.stdout
+    warnings = [line for line in proc.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "CPU interpreter" in warnings[0], proc.stderr
+    assert "minutes per training step" in warnings[0]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter is selected only without CUDA")

@@ -136,6 +136,19 @@ def test_node_count_mismatch_is_one_line_exit_2():
     assert "--nnodes=2" in line and "1 node(s)" in line
 
 
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("optim.lrr=1", "did you mean optim.lr?"),
+        ("trainer.global_batch_tokens=1000", "is not a multiple of data.seq_len=128"),
+    ],
+)
+def test_a_config_mistake_is_one_line_before_any_worker_starts(override, fragment):
+    proc = run(launcher("--nproc", "2", "--", override), timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    assert fragment in one_error_line(proc.stderr, "lmsys-launch: error:")
+
+
 # ----------------------------------------------------------------------------- rendezvous failures
 
 

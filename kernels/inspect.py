@@ -1,0 +1,643 @@
+"""Static inspection of every kernel for A100 (sm_80) and H100 (sm_90), on a machine without a GPU.
+
+    python -m kernels.inspect [--arch 80,90] [--dtype bf16,fp16] [--json FILE] [--dump DIR]
+                              [--head-dims 64,128,64/128] [--widths 768,1600] [--masks causal,full]
+                              [--loads auto,pointers] [--jobs N] [--update-table]
+
+For every kernel (attention forward, backward preprocess, dK/dV and dQ; layer-norm forward, forward
+with residual, backward, backward with the residual gradient, and the row sums of wide backward
+rows), every head-width case of the model family, every layer-norm width of the presets plus
+2048 ... 16384, and every autotune config the pruner keeps for the target, the kernel is
+compiled exactly as a launch would compile it on that GPU (the launchers' own `KernelLaunch`
+records, bound by Triton's JIT binder), and one row reports:
+
+    regs        registers per thread (ptxas -v)
+    spill       spill stores + loads in bytes per thread (ptxas -v); must be 0
+    smem        dynamic shared memory per CTA
+    CTA/SM      CTAs resident per SM (CUDA occupancy rules), occ = resident warps / 64, and the
+                resources that bound it (registers, smem, warps, blocks)
+    launch      whether one CTA fits the target at all (shared memory, registers, threads)
+    mma         wgmma (HGMMA), mma.sync (HMMA) or none, from the SASS
+    loads       tma (UTMALDG), cp.async (LDGSTS), ldg: how global memory is read, from the SASS
+    loop        SASS instructions per warp in one iteration of the main loop (the unmasked
+                tensor-core loop of attention, the row loop of the layer-norm backward)
+    inflight    layer norm: bytes of loads in flight per SM, that is the bytes one CTA's LDG
+                instructions fetch per loop iteration (the whole kernel when it has no loop; lanes
+                of padding columns excluded) times the CTAs resident per SM (at most the grid's
+                CTAs per SM). Little's law asks for about peak bandwidth x latency / SMs:
+                15 KiB at 3.35 TB/s and 600 ns on an H100, 11 KiB on an A100
+
+Exit status 1 when a kept config spills, cannot launch or fails to compile. `--dump DIR` writes
+each cubin as DIR/<kernel>-<arch>-<dtype>-<case>-<config>.cubin and the JSON names it per row.
+`--update-table` compiles every candidate config (not only the kept ones) and rewrites the
+pruners' tables `kernels/targets/sm_XX.json` for the installed Triton.
+
+Shapes: attention at B = 2, H = 4, T = 1024 (GPT-2's context) in the model's layout (q, k, v
+are (B, T, H, d) projections viewed as (B, H, T, d)), softmax scale 1/sqrt(d_qk); layer norm over
+16384 rows with weight and bias, "sqrt_var_eps". Tensors live on the meta device: nothing is
+allocated, only shapes, strides and dtypes enter the compilation. Nothing here is a timing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+if __name__ == "__main__" and os.environ.get("TRITON_INTERPRET", "0").lower() not in (
+    "",
+    "0",
+    "false",
+    "off",
+):
+    # Compiling for a GPU needs the real @triton.jit functions, which the interpreter replaces
+    # when TRITON_INTERPRET is set at import (`python -m` imported the package already): start
+    # again without it.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "kernels.inspect", *sys.argv[1:]], env)
+
+import argparse  # noqa: E402
+import concurrent.futures  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from kernels import aot, resource_tables  # noqa: E402
+from kernels.launch import KernelLaunch  # noqa: E402
+
+# The modules, by import_module: `kernels.flash_attention` / `kernels.layer_norm` the attributes
+# may be the public functions (see kernels/__init__.py).
+fa = importlib.import_module("kernels.flash_attention")
+ln = importlib.import_module("kernels.layer_norm")
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Head widths of the model family: tiny (32), GPT-2 and the seeds (64), the powers of two around
+# them, and d_qk != d_vo both ways (seed_compact sets them independently).
+HEAD_DIMS = ((16, 16), (32, 32), (64, 64), (128, 128), (256, 256), (64, 128), (128, 64))
+# Layer-norm widths: every d_model of conf/model (128 ... 1600) and the wide rows beyond them.
+WIDTHS = (128, 512, 768, 1024, 1280, 1600, 2048, 4096, 8192, 16384)
+MASKS = {"causal": True, "full": False}
+LOADS = ("auto", "pointers")
+ATTN_SHAPE = (2, 4, 1024)  # (B, H, T)
+LN_ROWS = 16384  # 16 sequences of 1024 tokens
+TUNED_KERNELS = tuple(fa.KERNEL_NAMES.values())
+KERNEL_ORDER = (
+    "attn_fwd", "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq",
+    "ln_fwd", "ln_fwd_residual", "ln_bwd_row_sums", "ln_bwd", "ln_bwd_residual",
+)  # fmt: skip
+# The forward loop compared with the Triton tutorial's fused attention (kernels/README.md).
+REFERENCE_LOOP = ("attn_fwd", "sm_90", "dqk128-dvo128-causal-tma", "128x128-w8-s2")
+
+
+# ----------------------------------------------------------------------------------------------
+# The cases: the launchers' own launch records, built from meta tensors
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """One shape of one kernel family on one target; rebuilt by every worker process."""
+
+    family: str  # "attn" or "ln"
+    arch: int  # 80 or 90
+    dtype: str  # "bf16" or "fp16"
+    d_qk: int = 0
+    d_vo: int = 0
+    causal: bool = True
+    tma: bool = True  # attention: let the launchers use TMA where the target has it
+    width: int = 0
+    residual: bool = False  # layer norm: the fused residual add (and its gradient)
+
+
+def attention_launches(case: Case) -> list[KernelLaunch]:
+    """Forward, preprocess, dK/dV and dQ launches, as flash_attention's launchers build them."""
+    B, H, T = ATTN_SHAPE
+    dtype = DTYPES[case.dtype]
+    # The model's layout: one (B, T, H, d) projection per operand, viewed as (B, H, T, d).
+    heads = lambda d: torch.empty((B, T, H, d), dtype=dtype, device="meta").transpose(1, 2)
+    q, k, v, do = heads(case.d_qk), heads(case.d_qk), heads(case.d_vo), heads(case.d_vo)
+    o = torch.empty((B, H, T, case.d_vo), dtype=dtype, device="meta")
+    lse = torch.empty((B, H, T), dtype=torch.float32, device="meta")
+    delta = torch.empty_like(lse)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    scale = 1.0 / math.sqrt(case.d_qk)
+    forward = fa.forward_launch(q, k, v, o, lse, case.causal, scale, case.arch, allow_tma=case.tma)
+    backward = fa.backward_launches(
+        do, q, k, v, o, lse, delta, dq, dk, dv, case.causal, scale, case.arch, allow_tma=case.tma
+    )
+    return [forward, *backward]
+
+
+def layer_norm_launches(case: Case) -> list[KernelLaunch]:
+    """Forward and backward launches of an affine "sqrt_var_eps" layer norm (with the fused
+    residual add when `case.residual`), with the geometry the launchers pick on the target."""
+    dtype = DTYPES[case.dtype]
+    x = torch.empty((LN_ROWS, case.width), dtype=dtype, device="meta")
+    weight = torch.empty((case.width,), dtype=dtype, device="meta")
+    bias = torch.empty_like(weight)
+    residual = torch.empty_like(x) if case.residual else None
+    forward, _ = ln.forward_launch(x, weight, bias, 1e-5, "sqrt_var_eps", residual)
+    mean = torch.empty((LN_ROWS,), dtype=torch.float32, device="meta")
+    rstd = torch.empty_like(mean)
+    backward, _ = ln.backward_launches(
+        torch.empty_like(x), x, mean, rstd, weight, bias, 1e-5, "sqrt_var_eps",
+        torch.empty_like(x) if case.residual else None, aot.TARGETS[case.arch].sm_count,
+    )  # fmt: skip
+    return [forward, *backward]
+
+
+def case_launches(case: Case) -> list[KernelLaunch]:
+    return attention_launches(case) if case.family == "attn" else layer_norm_launches(case)
+
+
+def case_name(case: Case, launch: KernelLaunch) -> str:
+    """The shape part of a row's key: the resource tables' case key for attention."""
+    if launch.name == "attn_bwd_preprocess":
+        return f"dvo{case.d_vo}"
+    if case.family == "attn":
+        loads = "tma" if any(launch.kwargs.get(f) for f in ("KV_TMA", "QDO_TMA")) else "ptr"
+        return resource_tables.case_key(case.d_qk, case.d_vo, case.causal, loads)
+    return f"n{case.width}"
+
+
+def config_name(launch: KernelLaunch, config: triton.Config | None) -> str:
+    kw = {**launch.kwargs, **(config.all_kwargs() if config is not None else {})}
+    if launch.name.startswith("attn_") and "BLOCK_N" in kw:
+        return resource_tables.config_key(
+            kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw.get("num_stages", 3)
+        )
+    if "BLOCK_N" in kw:
+        return f"{kw['BLOCK_M']}x{kw['BLOCK_N']}-w{kw.get('num_warps', 4)}"
+    return f"{kw['BLOCK_M']}-w{kw.get('num_warps', 4)}"
+
+
+def config_tuple(config: triton.Config | None) -> tuple | None:
+    if config is None:
+        return None
+    return (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
+
+
+def grid_ctas(launch: KernelLaunch) -> int | None:
+    """CTAs in the launch's grid when it does not depend on the tiling."""
+    return math.prod(launch.grid) if isinstance(launch.grid, tuple) else None
+
+
+# ----------------------------------------------------------------------------------------------
+# One compilation (run in worker processes)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Task:
+    case: Case
+    kernel: str  # launch name within the case
+    config: tuple[int, int, int, int] | None  # (BLOCK_M, BLOCK_N, warps, stages); None: not tuned
+    dump_dir: str | None
+
+
+def run_task(task: Task) -> dict:
+    launch = next(lc for lc in case_launches(task.case) if lc.name == task.kernel)
+    config = None
+    if task.config is not None:
+        bm, bn, warps, stages = task.config
+        config = next(
+            c
+            for c in launch.configs
+            if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+            == (bm, bn, warps, stages)
+        )
+    target = aot.TARGETS[task.case.arch]
+    row = {
+        "kernel": launch.name,
+        "arch": target.name,
+        "dtype": task.case.dtype,
+        "case": case_name(task.case, launch),
+        "config": config_name(launch, config),
+    }
+    if task.case.family == "attn":
+        same = task.case.d_qk == task.case.d_vo
+        row |= {
+            "head_dim": str(task.case.d_qk) if same else f"{task.case.d_qk}/{task.case.d_vo}",
+            "d_qk": task.case.d_qk,
+            "d_vo": task.case.d_vo,
+            "causal": task.case.causal,
+            "width": None,
+        }
+    else:
+        row |= {"head_dim": None, "width": task.case.width, "residual": task.case.residual}
+    try:
+        binary = aot.compile_for_target(launch.kernel, launch.args, launch.kwargs_for(config), target)
+        analysis = aot.analyse(binary, target)
+    except Exception as e:  # a config that does not compile is a finding, not a crash
+        return row | {"error": f"{type(e).__name__}: {e}", "detail": traceback.format_exc(limit=3)}
+    occupancy = analysis.occupancy
+    resident = occupancy.ctas_per_sm
+    if (ctas := grid_ctas(launch)) is not None:
+        resident = min(resident, math.ceil(ctas / target.sm_count))
+    in_flight = None
+    if task.case.family == "ln" and analysis.loop_ldg_bytes is not None:
+        # Lanes of the padded columns (BLOCK_N > N) are masked off and fetch nothing.
+        useful = min(1.0, task.case.width / launch.kwargs["BLOCK_N"])
+        in_flight = round(analysis.loop_ldg_bytes * useful) * resident
+    cubin_path = None
+    if task.dump_dir is not None:
+        stem = f"{row['kernel']}-{row['arch']}-{row['dtype']}-{row['case']}-{row['config']}"
+        cubin_path = str(Path(task.dump_dir) / f"{stem}.cubin")
+        Path(cubin_path).write_bytes(binary.cubin)
+    return row | {
+        "num_warps": analysis.num_warps,
+        "num_stages": analysis.num_stages,
+        "registers": analysis.usage.registers,
+        "spill_bytes": analysis.usage.spill_bytes,
+        "spill_store_bytes": analysis.usage.spill_store_bytes,
+        "spill_load_bytes": analysis.usage.spill_load_bytes,
+        "stack_bytes": analysis.usage.stack_bytes,
+        "smem_bytes": analysis.shared_bytes,
+        "ctas_per_sm": occupancy.ctas_per_sm,
+        "occupancy": round(occupancy.fraction, 4),
+        "limiter": "/".join(occupancy.limiters),
+        "launchable": occupancy.launchable,
+        "problem": occupancy.problem,
+        "mma": analysis.mma,
+        "tma": "tma" in analysis.load_paths,
+        "load_paths": analysis.load_paths,
+        "loop_instructions": analysis.loop_instructions,
+        "loop_ldg_bytes": analysis.loop_ldg_bytes,
+        "grid_ctas": grid_ctas(launch),
+        "in_flight_bytes_per_sm": in_flight,
+        "compile_s": round(analysis.compile_seconds, 2),
+        "cubin": cubin_path,
+    }
+
+
+def _worker_init(cache_dir: str) -> None:
+    # Compilations go to a private cache that is thrown away: nothing from an earlier run (or
+    # an earlier Triton) can stand in for a compilation.
+    os.environ["TRITON_CACHE_DIR"] = cache_dir
+    triton.knobs.cache.dir = cache_dir
+    torch.set_num_threads(1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------------------------
+
+
+def build_cases(args: argparse.Namespace) -> list[Case]:
+    cases = []
+    for arch in args.arch:
+        for dtype in args.dtype:
+            for d_qk, d_vo in args.head_dims:
+                for mask in args.masks:
+                    has_tma = arch >= fa.TMA_MIN_CAPABILITY
+                    if "auto" in args.loads or not has_tma:  # the launchers' choice: TMA on sm_90
+                        cases.append(Case("attn", arch, dtype, d_qk, d_vo, causal=MASKS[mask]))
+                    if "pointers" in args.loads and has_tma:
+                        # the pointer path that inputs TMA cannot address take on sm_90
+                        cases.append(Case("attn", arch, dtype, d_qk, d_vo, causal=MASKS[mask], tma=False))
+            for width in args.widths:
+                for residual in (False, True):
+                    cases.append(Case("ln", arch, dtype, width=width, residual=residual))
+    return cases
+
+
+def build_tasks(cases: list[Case], all_configs: bool, dump_dir: str | None) -> tuple[list[Task], dict]:
+    """Compilation tasks (deduplicated: the preprocess does not depend on the mask) and, per
+    tuned row key, the launch and config, to decide later which configs the pruner keeps."""
+    tasks, seen, tuned = [], set(), {}
+    for case in cases:
+        target = aot.TARGETS[case.arch]
+        for launch in case_launches(case):
+            if launch.configs:
+                candidates = list(launch.configs)
+                if not all_configs:
+                    candidates = launch.prune(candidates, case.arch, target.smem_per_block)
+            else:
+                candidates = [None]
+            for config in candidates:
+                key = (
+                    launch.name,
+                    target.name,
+                    case.dtype,
+                    case_name(case, launch),
+                    config_name(launch, config),
+                )
+                if key in seen:
+                    continue
+                seen.add(key)
+                tasks.append(Task(case, launch.name, config_tuple(config), dump_dir))
+                if config is not None:
+                    tuned[key] = (launch, config)
+    return tasks, tuned
+
+
+def row_key(row: dict) -> tuple[str, str, str, str, str]:
+    return (row["kernel"], row["arch"], row["dtype"], row["case"], row["config"])
+
+
+def run_tasks(tasks: list[Task], jobs: int) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kernels-inspect-cache-") as cache_dir:
+        if jobs <= 1:
+            _worker_init(cache_dir)
+            results = map(run_task, tasks)
+        else:
+            pool = concurrent.futures.ProcessPoolExecutor(
+                jobs, initializer=_worker_init, initargs=(cache_dir,)
+            )
+            results = pool.map(run_task, tasks, chunksize=1)
+        start = time.perf_counter()
+        for i, row in enumerate(results, 1):
+            rows.append(row)
+            if i % 20 == 0 or i == len(tasks):
+                elapsed = time.perf_counter() - start
+                print(f"  compiled {i}/{len(tasks)} ({elapsed:.0f} s)", file=sys.stderr, flush=True)
+        if jobs > 1:
+            pool.shutdown()
+    return rows
+
+
+def _table_row(row: dict) -> dict:
+    return {
+        k: row[k] for k in ("kernel", "dtype", "case", "config", "registers", "spill_bytes", "smem_bytes")
+    } | {"launchable": row["launchable"]}
+
+
+def update_command(args: argparse.Namespace) -> str:
+    """The command that regenerates the tables, as they record it (output paths left out)."""
+    parts = ["python -m kernels.inspect --update-table"]
+    if args.arch != sorted(aot.TARGETS):
+        parts.append("--arch " + ",".join(map(str, args.arch)))
+    if args.dtype != list(DTYPES):
+        parts.append("--dtype " + ",".join(args.dtype))
+    if args.head_dims != list(HEAD_DIMS):
+        parts.append("--head-dims " + ",".join(f"{d_qk}/{d_vo}" for d_qk, d_vo in args.head_dims))
+    if args.masks != list(MASKS):
+        parts.append("--masks " + ",".join(args.masks))
+    if args.loads != list(LOADS):
+        parts.append("--loads " + ",".join(args.loads))
+    return " ".join(parts)
+
+
+def write_tables(rows: list[dict], archs: list[int], command: str) -> list[Path]:
+    """Rewrite kernels/targets/sm_XX.json from the measured rows of the tuned kernels. Cases not
+    measured in this run (another dtype, head width or mask) keep their rows when the table comes
+    from the same Triton."""
+    written = []
+    for arch in archs:
+        target = aot.TARGETS[arch]
+        measured = [
+            r for r in rows if r["arch"] == target.name and r["kernel"] in TUNED_KERNELS and "error" not in r
+        ]
+        fresh = {(r["kernel"], r["dtype"], r["case"]) for r in measured}
+        path = resource_tables.table_path(arch)
+        kept = []
+        if path.is_file():
+            old = json.loads(path.read_text())
+            if old.get("triton_version") == triton.__version__:
+                kept = [r for r in old["rows"] if (r["kernel"], r["dtype"], r["case"]) not in fresh]
+        table_rows = sorted(
+            kept + [_table_row(r) for r in measured], key=lambda r: tuple(map(str, r.values()))
+        )
+        data = {
+            "target": target.name,
+            "gpu": target.gpu,
+            "triton_version": triton.__version__,
+            "generated": datetime.date.today().isoformat(),
+            "command": command,
+            "rows": table_rows,
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1) + "\n")
+        written.append(path)
+    resource_tables.load_table.cache_clear()
+    return written
+
+
+def mark_kept(rows: list[dict], tuned: dict, all_configs: bool) -> None:
+    """rows[i]["kept"]: whether the pruner keeps the config on its target (always, when only kept
+    configs were compiled; with --update-table, as decided by the table just written)."""
+    if not all_configs:
+        for row in rows:
+            row["kept"] = True
+        return
+    by_launch: dict[int, tuple[KernelLaunch, str]] = {id(lc): (lc, key[1]) for key, (lc, _) in tuned.items()}
+    kept_keys = set()
+    for launch, arch_name in by_launch.values():
+        target = next(t for t in aot.TARGETS.values() if t.name == arch_name)
+        kept = {id(c) for c in launch.prune(list(launch.configs), target.capability, target.smem_per_block)}
+        kept_keys |= {key for key, (lc, cfg) in tuned.items() if lc is launch and id(cfg) in kept}
+    for row in rows:
+        row["kept"] = row["kernel"] not in TUNED_KERNELS or row_key(row) in kept_keys
+
+
+def _kib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 1024:.1f}"
+
+
+def format_rows(rows: list[dict], show_kept: bool) -> str:
+    columns = [
+        ("kernel", lambda r: r["kernel"]),
+        ("arch", lambda r: r["arch"]),
+        ("dtype", lambda r: r["dtype"]),
+        ("shape", lambda r: r["case"]),
+        ("config", lambda r: r["config"]),
+        ("regs", lambda r: str(r.get("registers", "-"))),
+        ("spill", lambda r: str(r.get("spill_bytes", "-"))),
+        ("smemKB", lambda r: _kib(r.get("smem_bytes"))),
+        ("CTA/SM", lambda r: str(r.get("ctas_per_sm", "-"))),
+        ("occ", lambda r: f"{r['occupancy']:.0%}" if "occupancy" in r else "-"),
+        ("limit", lambda r: r.get("limiter", "-") or "-"),
+        ("launch", lambda r: ("yes" if r["launchable"] else "NO") if "launchable" in r else "-"),
+        ("mma", lambda r: r.get("mma", "-")),
+        ("loads", lambda r: "+".join(r.get("load_paths", [])) or "-"),
+        ("loop", lambda r: str(r.get("loop_instructions") or "-")),
+        ("inflightKB/SM", lambda r: _kib(r.get("in_flight_bytes_per_sm"))),
+    ]
+    if show_kept:
+        columns.append(("kept", lambda r: "yes" if r["kept"] else "no"))
+    columns.append(("note", lambda r: r.get("error", r.get("problem", ""))[:80]))
+    cells = [[fn(r) for _, fn in columns] for r in rows]
+    widths = [
+        max(len(name), *(len(c[i]) for c in cells)) if cells else len(name)
+        for i, (name, _) in enumerate(columns)
+    ]
+    lines = ["  ".join(name.ljust(w) for (name, _), w in zip(columns, widths)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(cell, widths)).rstrip() for cell in cells]
+    return "\n".join(lines)
+
+
+def failures(rows: list[dict]) -> list[dict]:
+    """Kept rows that spill, cannot launch or did not compile."""
+    return [
+        r
+        for r in rows
+        if r["kept"] and ("error" in r or r["spill_bytes"] > 0 or r["stack_bytes"] > 0 or not r["launchable"])
+    ]
+
+
+def summary(rows: list[dict], seconds: float) -> str:
+    kept = [r for r in rows if r["kept"]]
+    ok = [r for r in kept if "error" not in r]
+    lines = [
+        f"{len(rows)} compilations ({len(kept)} kept configs) in {seconds:.0f} s; kept configs: "
+        f"{sum(r['spill_bytes'] > 0 for r in ok)} spilling, {sum(not r['launchable'] for r in ok)} "
+        f"unlaunchable, {len(kept) - len(ok)} failed to compile",
+    ]
+    dropped = [r for r in rows if not r["kept"] and "error" not in r]
+    if dropped:
+        lines.append(
+            f"configs the pruner drops: {len(dropped)} ({sum(r['spill_bytes'] > 0 for r in dropped)} spill, "
+            f"{sum(not r['launchable'] for r in dropped)} cannot launch)"
+        )
+    ref = [r for r in ok if (r["kernel"], r["arch"], r["case"], r["config"]) == REFERENCE_LOOP]
+    for r in ref:
+        lines.append(
+            f"attention forward main loop, head dim 128, 128x128, 8 warps, 2 stages, sm_90 {r['dtype']}: "
+            f"{r['loop_instructions']} instructions per warp per iteration"
+        )
+    for kernel in ("ln_bwd", "ln_bwd_residual"):
+        for arch in sorted({r["arch"] for r in ok}):
+            figures = [
+                (r["width"], r["in_flight_bytes_per_sm"])
+                for r in ok
+                if r["kernel"] == kernel and r["arch"] == arch and r["dtype"] == ok[0]["dtype"]
+            ]
+            if figures:
+                text = ", ".join(f"{w}: {_kib(b)}" for w, b in sorted(figures))
+                lines.append(f"{kernel} {arch} {ok[0]['dtype']} in-flight KiB per SM by width: {text}")
+    return "\n".join(lines)
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(t) for t in text.split(",") if t]
+
+
+def _head_dims(text: str) -> list[tuple[int, int]]:
+    dims = []
+    for item in text.split(","):
+        d_qk, _, d_vo = item.partition("/")
+        dims.append((int(d_qk), int(d_vo or d_qk)))
+    return dims
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m kernels.inspect", description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=_int_list, default=sorted(aot.TARGETS), help="80,90 (default)")
+    parser.add_argument(
+        "--dtype", type=lambda s: s.split(","), default=list(DTYPES), help="bf16,fp16 (default)"
+    )
+    parser.add_argument(
+        "--head-dims",
+        type=_head_dims,
+        default=list(HEAD_DIMS),
+        help="attention head widths, d or d_qk/d_vo, comma-separated (default: the model family's)",
+    )
+    parser.add_argument("--widths", type=_int_list, default=list(WIDTHS), help="layer-norm widths")
+    parser.add_argument(
+        "--masks", type=lambda s: s.split(","), default=list(MASKS), help="causal,full (default)"
+    )
+    parser.add_argument(
+        "--loads",
+        type=lambda s: s.split(","),
+        default=list(LOADS),
+        help="attention load paths: auto (the launchers' choice: TMA on sm_90), pointers (the cp.async "
+        "path sm_90 takes for inputs TMA cannot address); default both",
+    )
+    parser.add_argument("--json", metavar="FILE", help="write every row as JSON")
+    parser.add_argument("--dump", metavar="DIR", help="write each cubin to DIR")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="compiler processes")
+    parser.add_argument(
+        "--update-table",
+        action="store_true",
+        help="compile every candidate config and rewrite kernels/targets/sm_XX.json",
+    )
+    args = parser.parse_args(argv)
+    for arch in args.arch:
+        if arch not in aot.TARGETS:
+            parser.error(f"--arch {arch}: known targets are {sorted(aot.TARGETS)}")
+    for dtype in args.dtype:
+        if dtype not in DTYPES:
+            parser.error(f"--dtype {dtype}: choose from {', '.join(DTYPES)}")
+    for mask in args.masks:
+        if mask not in MASKS:
+            parser.error(f"--masks {mask}: choose from {', '.join(MASKS)}")
+    for loads in args.loads:
+        if loads not in LOADS:
+            parser.error(f"--loads {loads}: choose from {', '.join(LOADS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not isinstance(fa._attn_fwd_kernel, triton.runtime.JITFunction):
+        print("kernels.inspect: the kernels were built for the Triton interpreter; unset TRITON_INTERPRET")
+        return 2
+    command = "python -m kernels.inspect " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(f"kernels.inspect: Triton {triton.__version__}, {datetime.date.today().isoformat()}")
+    print(f"command: {command.strip()}")
+    for arch in args.arch:
+        t = aot.TARGETS[arch]
+        print(
+            f"target {t.name} ({t.gpu}): {t.sm_count} SMs, {t.smem_per_block // 1024} KiB shared memory "
+            f"per CTA, {t.regs_per_sm} registers per SM"
+        )
+    if args.dump:
+        Path(args.dump).mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    cases = build_cases(args)
+    tasks, tuned = build_tasks(cases, args.update_table, args.dump)
+    print(f"{len(tasks)} compilations, {args.jobs} at a time", flush=True)
+    rows = run_tasks(tasks, args.jobs)
+    if args.update_table:
+        for path in write_tables(rows, args.arch, update_command(args)):
+            print(f"wrote {path}")
+    mark_kept(rows, tuned, args.update_table)
+    order = {name: i for i, name in enumerate(KERNEL_ORDER)}
+    rows.sort(
+        key=lambda r: (
+            r["arch"],
+            r["dtype"],
+            order.get(r["kernel"], 99),
+            r["width"] or 0,
+            r["case"],
+            r["config"],
+        )
+    )
+    seconds = time.perf_counter() - start
+    print()
+    print(format_rows(rows, show_kept=args.update_table))
+    print()
+    print(summary(rows, seconds))
+    bad = failures(rows)
+    if args.json:
+        report = {
+            "triton_version": triton.__version__,
+            "date": datetime.date.today().isoformat(),
+            "command": command.strip(),
+            "targets": {aot.TARGETS[a].name: aot.TARGETS[a].gpu for a in args.arch},
+            "rows": rows,
+        }
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    if bad:
+        print(f"FAILED: {len(bad)} kept config(s) spill, cannot launch or do not compile:")
+        for r in bad:
+            why = r.get("error") or r.get("problem") or f"{r['spill_bytes']} B of spill traffic"
+            print(f"  {' '.join(row_key(r))}: {why}")
+        return 1
+    print("OK: every kept config compiles without spills and launches")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
