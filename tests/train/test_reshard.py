@@ -145,9 +145,10 @@ def test_a_resume_whose_batch_does_not_split_is_one_error_line(runs, tmp_path):
     command = [sys.executable, "-m", "launch.torchrun", "--nproc", "3", "--", *overrides]
     proc = subprocess.run(command, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("lmsys-train")]
+    # the launcher checks the config against the run's newest checkpoint before torchrun starts
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("lmsys-")]
     assert errors == [
-        "lmsys-train: error: cannot resume step 6 on 3 ranks: its global batch of 8 sequences "
+        "lmsys-launch: error: cannot resume step 6 on 3 ranks: its global batch of 8 sequences "
         "(trainer.global_batch_tokens=256 / data.seq_len=32) does not split into micro-batches of 4 on 3 "
         "ranks; keep trainer.micro_batch_size=4 on 1 or 2 ranks (a resumed run keeps "
         "trainer.global_batch_tokens)"
