@@ -142,6 +142,10 @@ class OptimConfig:
     lr: float = 6e-4
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 100
+    # The step at which the cosine reaches its floor; 0: trainer.max_steps of the run's first launch.
+    # A resumed run with a higher trainer.max_steps keeps its schedule (the lr stays at the floor
+    # after it) unless this is set: e.g. optim.decay_steps=<new max_steps> stretches the cosine.
+    decay_steps: int = 0
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -172,7 +176,10 @@ class LoggerConfig:
     entity: str | None = None
     group: str | None = None
     tags: list[str] = field(default_factory=list)
-    log_interval: int = 10
+    log_interval: int = 10  # steps between W&B records (metrics.jsonl gets every step)
+    # steps between plain progress lines when the console is not a terminal (a log file, a pipe,
+    # SLURM) or trainer.progress=false; a terminal shows the progress bar instead
+    console_interval: int = 10
 
 
 @dataclass
@@ -183,19 +190,25 @@ class TrainerConfig:
     global_batch_tokens: int = 65536  # tokens per optimizer step across all ranks
     micro_batch_size: int = 8  # sequences per rank per forward
     eval_interval: int = 200
-    eval_batches: int = 20
-    save_interval: int = 500
-    keep_last: int = 3
-    resume: str = "auto"  # auto | never | <checkpoint dir or run dir: its newest intact checkpoint>
+    eval_batches: int = 0  # validation micro-batches per rank; 0: the whole validation split
+    save_interval: int = 500  # also saved at the end, and after the step under way on SIGTERM/SIGUSR1/Ctrl-C
+    keep_last: int = 3  # complete, intact checkpoints kept (damaged ones are moved to checkpoints/damaged/)
+    # auto | never | <checkpoint dir or run dir: its newest intact checkpoint>; on any world size and
+    # ZeRO stage that splits the global batch
+    resume: str = "auto"
     max_nan_skips: int = 5
     device: str = "auto"  # auto | cpu | cuda
     progress: bool = True
     dist_timeout_s: float = 600.0  # collective timeout: a dead or hung rank brings the job down
     # Fault injection for tests (leave empty in real runs): make the loss NaN at these steps,
-    # sleep this long after every step, make the last rank exit at this step on a first attempt.
+    # sleep this long after every step, make the last rank exit at this step on a first attempt,
+    # make the last rank send itself SIGTERM during this step (a preemption that reaches one rank),
+    # sleep this long inside every checkpoint save (before it is committed).
     debug_nan_steps: list[int] = field(default_factory=list)
     debug_step_delay_s: float = 0.0
     debug_crash_at_step: int = 0
+    debug_signal_at_step: int = 0
+    debug_save_delay_s: float = 0.0
 
 
 @dataclass
@@ -327,17 +340,22 @@ def validate(cfg: Config) -> Config:
     _require(o.lr > 0, f"optim.lr={o.lr} must be > 0")
     _require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
     _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    _require(o.decay_steps >= 0, f"optim.decay_steps={o.decay_steps} must be >= 0 (0: trainer.max_steps)")
     _require(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping)")
     _require(ds.stage in (0, 1, 2, 3), f"deepspeed.stage={ds.stage} is not valid; choose one of: 0, 1, 2, 3")
     _one_of("deepspeed.precision", ds.precision, ("auto", "fp32", "bf16", "fp16"))
     _one_of("logger.wandb", lg.wandb, ("online", "offline", "disabled"))
     _require(lg.log_interval >= 1, f"logger.log_interval={lg.log_interval} must be >= 1")
+    _require(lg.console_interval >= 1, f"logger.console_interval={lg.console_interval} must be >= 1")
     _require(t.max_steps >= 1, f"trainer.max_steps={t.max_steps} must be >= 1")
     _require(t.micro_batch_size >= 1, f"trainer.micro_batch_size={t.micro_batch_size} must be >= 1")
     _require(t.global_batch_tokens >= 1, f"trainer.global_batch_tokens={t.global_batch_tokens} must be >= 1")
     _require(t.keep_last >= 1, f"trainer.keep_last={t.keep_last} must be >= 1")
     _require(t.eval_interval >= 1, f"trainer.eval_interval={t.eval_interval} must be >= 1")
-    _require(t.eval_batches >= 1, f"trainer.eval_batches={t.eval_batches} must be >= 1")
+    _require(
+        t.eval_batches >= 0,
+        f"trainer.eval_batches={t.eval_batches} must be >= 0 (0: the whole validation split)",
+    )
     _require(t.save_interval >= 1, f"trainer.save_interval={t.save_interval} must be >= 1")
     _require(t.max_nan_skips >= 0, f"trainer.max_nan_skips={t.max_nan_skips} must be >= 0")
     _require(t.dist_timeout_s > 0, f"trainer.dist_timeout_s={t.dist_timeout_s} must be > 0")

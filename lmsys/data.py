@@ -21,7 +21,8 @@ one would, for any world size that divides the global batch when restored betwee
 for the same world size and micro-batch size when restored in the middle of a step.
 
 Validation. `val_batches(n)` always reads the held-out "val" split (a document goes to one
-split only, see lmsys.prepare), the same sequences at every evaluation.
+split only, see lmsys.prepare), the same sequences at every evaluation; `val_batches(0)` every
+sequence of it once.
 
 Loss weights (SPEC section 8) travel with each batch: ones, except, with
 `mask_doc_boundaries`, a zero for the prediction of the first token of a document from the
@@ -165,17 +166,38 @@ class TokenLoader:
     def val_batches(self, count: int) -> list[Batch]:
         """`count` micro-batches of this rank from the held-out "val" split (whatever split this
         loader trains on), from its start, in order: the same held-out sequences at every
-        evaluation, rank r taking every W-th micro-batch (cycling when the split is short)."""
-        tokens = self.tokens if self.split_name == "val" else self.data.split("val")
+        evaluation, rank r taking every W-th micro-batch (cycling when the split is short).
+        count=0: the whole split once, every sequence exactly once; the last round's rows past the
+        split's end repeat its first sequences with loss weight 0 (every rank runs the same number
+        of forwards, which ZeRO-3's collectives need)."""
+        tokens = self._val_tokens()
         num = len(tokens) // self.sample_len
-        if num == 0:
-            raise too_short(self.data.dir, "val", len(tokens), self.sample_len)
         per_round = self.micro_batch * self.world_size
+        whole = count == 0
+        rounds = -(-num // per_round) if whole else count
         out = []
-        for b in range(count):
+        for b in range(rounds):
             first = b * per_round + self.rank * self.micro_batch
-            out.append(self._batch(np.arange(first, first + self.micro_batch) % num, tokens))
+            indices = np.arange(first, first + self.micro_batch)
+            batch = self._batch(indices % num, tokens)
+            if whole:
+                batch.weights[indices >= num] = 0.0
+            out.append(batch)
         return out
+
+    def val_coverage(self, count: int) -> tuple[int, int]:
+        """(distinct validation sequences that `val_batches(count)` scores on all ranks together,
+        sequences in the split)."""
+        num = len(self._val_tokens()) // self.sample_len
+        if count == 0:
+            return num, num
+        return min(num, count * self.micro_batch * self.world_size), num
+
+    def _val_tokens(self) -> SplitTokens:
+        tokens = self.tokens if self.split_name == "val" else self.data.split("val")
+        if len(tokens) < self.sample_len:
+            raise too_short(self.data.dir, "val", len(tokens), self.sample_len)
+        return tokens
 
     # -- resume -----------------------------------------------------------------------------
 

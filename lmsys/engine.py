@@ -154,10 +154,10 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
     for block in blocks:
         inner = block.forward
 
-        def forward(x, cache=None, layer=0, _inner=inner):
+        def forward(x, cache=None, layer=0, key_mask=None, _inner=inner):
             if cache is not None or not torch.is_grad_enabled():  # generation / eval: nothing to save
-                return _inner(x, cache, layer)
-            return checkpoint(_inner, x, None, layer, use_reentrant=False)
+                return _inner(x, cache, layer, key_mask)
+            return checkpoint(_inner, x, None, layer, key_mask, use_reentrant=False)
 
         block.forward = forward
     return len(blocks)
@@ -169,17 +169,20 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            dims = len(p.ds_shape) if hasattr(p, "ds_shape") else p.dim()  # ZeRO-3: the unpartitioned shape
+            (decay if dims >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
 
 def lr_at(step: int, optim: OptimConfig, max_steps: int) -> float:
     """Learning rate of optimizer step `step` (1-based): linear warmup over optim.warmup_steps,
-    then cosine decay from optim.lr to optim.lr * optim.min_lr_ratio at max_steps."""
+    then cosine decay from optim.lr to optim.lr * optim.min_lr_ratio at optim.decay_steps (when
+    set, else max_steps), constant after it."""
     if optim.warmup_steps > 0 and step <= optim.warmup_steps:
         return optim.lr * step / optim.warmup_steps
-    decay_steps = max(1, max_steps - optim.warmup_steps)
+    horizon = optim.decay_steps or max_steps
+    decay_steps = max(1, horizon - optim.warmup_steps)
     progress = min(1.0, max(0.0, (step - optim.warmup_steps) / decay_steps))
     min_lr = optim.lr * optim.min_lr_ratio
     return min_lr + 0.5 * (optim.lr - min_lr) * (1.0 + math.cos(math.pi * progress))
@@ -384,7 +387,7 @@ def set_lr(engine: Any, lr: float) -> None:
         group["lr"] = lr
 
 
-def _innermost_optimizer(opt: Any) -> Any:
+def innermost_optimizer(opt: Any) -> Any:
     seen = 0
     while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "optimizer") and seen < 8:
         opt = opt.optimizer
@@ -400,7 +403,7 @@ def shard_stats(engine: Any) -> dict[str, int]:
     """What this rank holds: optimizer state (Adam moments, partitioned at ZeRO >= 1), the
     optimizer's fp32 master parameters, and the module's parameters (partitioned at ZeRO-3).
     Call after the first optimizer step (Adam creates its state lazily)."""
-    opt = _innermost_optimizer(engine.optimizer)
+    opt = innermost_optimizer(engine.optimizer)
     state_bytes = 0
     master_bytes = 0
     if isinstance(opt, torch.optim.Optimizer):

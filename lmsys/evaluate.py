@@ -3,6 +3,7 @@
     python -m lmsys.evaluate runs/tiny-x/export text=notes.txt
     python -m lmsys.evaluate model=runs/tiny-x data=data/default          # the validation split
     python -m lmsys.evaluate run=runs/tiny-x                              # every checkpoint: table + PNG
+    python -m lmsys.evaluate exports/tiny harness=hellaswag,mytask include_path=tasks/   # lm_eval tasks
 
 `model=` is an export directory or a checkpoint (run dir, checkpoints/ dir or tag dir); `run=`
 evaluates every checkpoint tag of a run, prints a table and writes a plot of loss and
@@ -14,14 +15,23 @@ documents separated by eos) is cut into consecutive windows of seq_len tokens (d
 model.max_seq_len); every token is predicted exactly once, from the tokens before it in its
 window. The first token of the stream is predicted from eos (the document separator that
 precedes every document in training); a window's first token from the last token of the
-previous window. Models with bos_shift (seed 001) predict each window's first token from
-bos_shift_id, as in their training loss. Then, with N tokens and a total negative
-log-likelihood of NLL nats:
+previous window. When seq_len does not divide the stream, the last window ends at the stream's
+end with a full seq_len tokens of context and scores only the tokens not scored yet (the
+training loader's last sequence, and lm-evaluation-harness's rolling windows, do the same).
+Models with bos_shift (seed 001) predict each window's first token from bos_shift_id, as in
+their training loss. Then, with N tokens and a total negative log-likelihood of NLL nats:
     loss = NLL / N (nats/token),  perplexity = exp(NLL / N),  bits/token = NLL / N / ln 2,
     bits per byte = NLL / ln 2 / B,
 where B is the number of UTF-8 bytes of the evaluated text: the file's bytes, or for a data
 split the bytes of its decoded tokens (eos decodes to nothing). Bits per byte compares models
 with different tokenizers; perplexity only models that share one.
+
+harness=TASK[,TASK...] runs lm-evaluation-harness tasks (names lm_eval knows, or tasks of the YAML
+files under include_path=) on model= through lm_eval's `lmsys` model (lmsys/harness.py), and
+prints lm_eval's results table: the shortcut of `python -m lmsys.harness --model lmsys
+--model_args path=MODEL --tasks ... --include_path DIR`. batch_size, seq_len (the window), device,
+dtype and tokenizer go to the model; num_fewshot and limit to lm_eval; json= gets lm_eval's
+results. It needs the `eval` extra (pip install 'lmsys[eval]').
 
 Errors print one line `lmsys-eval: error: ...` on stderr and exit 2.
 """
@@ -128,9 +138,10 @@ def token_nll(
         group = starts[b : b + batch_size]
         samples = torch.stack([padded[s + 1 - lead : s + 1 + seq_len] for s in group])  # (B, lead + L)
         out[group[0] : group[-1] + seq_len] = _window_nll(model, samples, device).flatten()
-    if n_full * seq_len < n:  # the last, shorter window
-        s = n_full * seq_len
-        out[s:] = _window_nll(model, padded[s + 1 - lead :][None], device).flatten()
+    s = n_full * seq_len
+    if s < n:  # the rest: a window ending at the stream's end, with as much context as it holds
+        first = max(0, n - seq_len) + 1 - lead  # in padded
+        out[s:] = _window_nll(model, padded[first:][None], device).flatten()[s - n :]
     return out
 
 
@@ -259,6 +270,10 @@ OPTIONS = [
     Option("max_tokens", "int", None, "evaluate only the first N tokens"),
     Option("plot", "str", None, "PNG for run= (default: <run>/eval.png)"),
     Option("json", "str", None, "also write the results as JSON to this file"),
+    Option("harness", "str", None, "lm-evaluation-harness tasks to run on model=, comma-separated"),
+    Option("include_path", "str", None, "directory of lm_eval task YAML files (harness=)"),
+    Option("num_fewshot", "int", None, "few-shot examples per task (harness=; default: the task's)"),
+    Option("limit", "float", None, "examples per task at most, or a fraction if < 1 (harness=)"),
     DEVICE_OPTION,
     DTYPE_OPTION,
     TOKENIZER_OPTION,
@@ -331,12 +346,44 @@ def _evaluate_run(opts: dict, device: torch.device, dtype: torch.dtype) -> None:
         Path(opts["json"]).write_text(json.dumps(report, indent=1) + "\n")
 
 
+def _evaluate_harness(opts: dict) -> None:
+    """harness=: lm_eval's tasks on model= (module docstring)."""
+    try:  # lm_eval is the optional `eval` extra: imported only when harness= asks for it
+        from lmsys import harness
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith("lm_eval"):
+            raise
+        raise EvalError("harness= needs lm-evaluation-harness: pip install 'lmsys[eval]'") from None
+    if opts["run"] or opts["text"] or opts["data"]:
+        raise UsageError("harness= evaluates model= on lm_eval tasks; it takes no run=, text= or data=")
+    tasks = [task.strip() for task in opts["harness"].split(",") if task.strip()]
+    if not tasks:
+        raise UsageError(
+            f"harness={opts['harness']!r} names no task; give lm_eval task names, comma-separated"
+        )
+    settings = {"batch_size": opts["batch_size"], "max_length": opts["seq_len"], "device": opts["device"]}
+    settings.update(dtype=opts["dtype"], tokenizer=opts["tokenizer"])
+    model_args = {key: value for key, value in settings.items() if value is not None}
+    results = harness.run_tasks(
+        opts["model"], tasks, opts["include_path"], opts["num_fewshot"], opts["limit"], model_args
+    )
+    print(f"{PROG}: {opts['model']} on lm_eval tasks {', '.join(tasks)}")
+    print(harness.results_table(results))
+    if opts["json"]:
+        Path(opts["json"]).write_text(json.dumps(results, indent=1, default=str) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def body() -> int:
         opts = parse_options(PROG, argv, OPTIONS, SUMMARY, positional="model")
         if opts is None:
+            return 0
+        if opts["harness"] is not None:
+            if not opts["model"]:
+                raise UsageError(f"harness= needs model=; run `{PROG} --help` for the options")
+            _evaluate_harness(opts)
             return 0
         if bool(opts["model"]) == bool(opts["run"]):
             raise UsageError(f"give exactly one of model= or run=; run `{PROG} --help` for the options")

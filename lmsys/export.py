@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lmsys import hf
@@ -65,12 +66,12 @@ from lmsys.checkpoint import model_differences, read_checkpoint, resolve
 from lmsys.cli import Option, parse_options, run_cli, warn
 from lmsys.config import ModelConfig, model_config_from_dict, model_dims
 from lmsys.errors import ConfigError, DataError, ExportError, UsageError
-from lmsys.files import fsync_files, install_dir, sibling
+from lmsys.files import fsync_files, install_dir, sibling, usual_permissions
 from lmsys.hf_tokenizer import write_transformers_tokenizer
 from lmsys.model import Transformer
 from lmsys.rundir import EXPORT_DIR
 from lmsys.runtime import DTYPES, dtype_name, resolve_dtype
-from lmsys.tokenizer import TOKENIZER_FILES, Tokenizer
+from lmsys.tokenizer import HF_TOKENIZER_CONFIG, TOKENIZER_FILES, Tokenizer
 from lmsys.weights import TIED_KEY, build_model, check_tensors, expected_shapes, read_safetensors
 
 PROG = "lmsys-export"
@@ -80,6 +81,10 @@ CARD_FILE = "README.md"
 FORMAT = "lmsys-export"
 FORMAT_VERSION = 1
 FORMATS = ("lmsys", "hf")
+# Every name an export directory may hold (either format): anything else there is the user's.
+EXPORT_FILES = frozenset(
+    {WEIGHTS_FILE, CONFIG_FILE, CARD_FILE, *TOKENIZER_FILES, HF_TOKENIZER_CONFIG, hf.GENERATION_CONFIG_FILE}
+)
 # load_model's option for checkpoints, in every command that loads a model.
 TOKENIZER_OPTION = Option(
     "tokenizer", "str", None, "tokenizer file for a checkpoint (default: found from its data.dir)"
@@ -220,10 +225,7 @@ def write_export(
     stored = {
         k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous() for k, v in state.items()
     }
-    if out.exists() and not overwrite:
-        raise ExportError(f"out={out} already exists; choose another directory or pass overwrite=true")
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"out={out} exists and is not a directory")
+    check_replaceable(out, overwrite, fmt, info.get("run_dir"))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = sibling(out, "tmp")
     tmp.mkdir()
@@ -231,12 +233,48 @@ def write_export(
         _write_files(tmp, cfg, stored, tok, info, dtype, fmt)
         if verify:
             verify_export(tmp, cfg, state, dtype)
+        usual_permissions(tmp)
         fsync_files(tmp)  # durability before the rename makes it visible
         install_dir(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def check_replaceable(out: Path, overwrite: bool, fmt: str, run_dir: str | None) -> None:
+    """An existing `out` is replaced only when it holds nothing an export does not write, and
+    either overwrite=true or it is an earlier export of the same run (`run_dir`) in the same
+    format; ExportError (one line) otherwise, before anything is written."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ExportError(f"out={out} exists and is not a directory")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES)
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        raise ExportError(
+            f"out={out} holds {foreign[0]!r}{more}, which lmsys-export did not write: it is never "
+            "replaced; move that away or choose another out="
+        )
+    if overwrite:
+        return
+    earlier = export_provenance(out)
+    same_run = run_dir is not None and earlier.get("run_dir") == run_dir
+    if same_run and earlier.get("format") == fmt:
+        return  # derived data: re-exporting after more training replaces it
+    what = f" (a {earlier['format']}-format export)" if earlier.get("format") else ""
+    raise ExportError(f"out={out} already exists{what}; choose another directory or pass overwrite=true")
+
+
+def export_provenance(directory: Path) -> dict[str, Any]:
+    """The provenance an export recorded in its safetensors header (lmsys_meta), or {}."""
+    try:
+        with safe_open(str(directory / WEIGHTS_FILE), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("lmsys_meta", "{}"))
+    except Exception:  # not an export, or not ours: nothing recorded
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def _write_files(
@@ -461,7 +499,7 @@ OPTIONS = [
         None,
         "run dir (its latest checkpoint), its checkpoints/ dir, or one tag dir (required)",
     ),
-    Option("out", "str", None, "export directory to create (default: <run dir>/export)"),
+    Option("out", "str", None, "export directory to create (default: <run dir>/export, or export-hf)"),
     Option(
         "format",
         "choice",
@@ -473,7 +511,13 @@ OPTIONS = [
     Option(
         "tokenizer", "str", None, "tokenizer.model to use (default: found from the checkpoint's data.dir)"
     ),
-    Option("overwrite", "bool", False, "replace an existing out directory"),
+    Option(
+        "overwrite",
+        "bool",
+        False,
+        "replace an existing out directory (an earlier export of the same run and format is "
+        "replaced anyway; a directory holding other files never is)",
+    ),
     Option("verify", "bool", True, "load the export back and compare logits with the checkpoint"),
 ]
 
@@ -485,14 +529,15 @@ SUMMARY = (
 )
 
 
-def default_out(checkpoint: str | os.PathLike) -> Path:
-    """<run dir>/export for a checkpoint inside a run (run dir, checkpoints/ dir or tag dir)."""
+def default_out(checkpoint: str | os.PathLike, fmt: str = "lmsys") -> Path:
+    """<run dir>/export (format=lmsys) or <run dir>/export-hf (format=hf) for a checkpoint inside
+    a run (run dir, checkpoints/ dir or tag dir)."""
     if is_export_dir(checkpoint):
         raise UsageError(f"out= is required: checkpoint={checkpoint} is an export directory, not a run")
     ckpt = resolve(checkpoint, check_hashes=False)
     if ckpt.run_dir is None:
         raise UsageError(f"out= is required: checkpoint={checkpoint} is not inside a run directory")
-    return ckpt.run_dir / EXPORT_DIR
+    return ckpt.run_dir / (EXPORT_DIR if fmt == "lmsys" else f"{EXPORT_DIR}-{fmt}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -505,20 +550,14 @@ def main(argv: list[str] | None = None) -> int:
         if not opts["checkpoint"]:
             raise UsageError(f"checkpoint= is required; run `{PROG} --help` for the options")
         dtype = resolve_dtype(opts["dtype"])
-        out, overwrite = opts["out"], opts["overwrite"]
-        if not out:
-            out = default_out(opts["checkpoint"])
-            # The run's own export is derived data: re-exporting (after more training) replaces
-            # it, so the main job's one-line export can be re-run. Anything else there is kept.
-            if out.exists() and is_export_dir(out):
-                overwrite = True
+        out = opts["out"] or default_out(opts["checkpoint"], opts["format"])
         path = export_checkpoint(
             opts["checkpoint"],
             out,
             dtype=dtype,
             fmt=opts["format"],
             tokenizer=opts["tokenizer"],
-            overwrite=overwrite,
+            overwrite=opts["overwrite"],
             verify=opts["verify"],
         )
         size = sum(f.stat().st_size for f in path.iterdir()) / 1e6

@@ -44,6 +44,16 @@ def fsync_files(directory: Path) -> None:
                 os.fsync(fh.fileno())
 
 
+def usual_permissions(directory: Path) -> None:
+    """Give `directory` and everything in it the permissions a new file gets here (0666 / 0777 less
+    the umask): some writers (safetensors) create 0600 files, unreadable to the user's group."""
+    mask = os.umask(0)
+    os.umask(mask)
+    directory.chmod(0o777 & ~mask)
+    for path in directory.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write `text` to `path` so a reader sees either the old file or the whole new one."""
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")

@@ -12,8 +12,14 @@ temperature=0), else sampling from softmax(logits / temperature) restricted to t
 likely tokens and then to the smallest set whose probability reaches top_p. Generation stops
 at eos or after max_new_tokens.
 
-Batches: each prompt is generated on its own, with its own random generator seeded with
-`seed`, so a prompt gives the same text alone or in a batch (no padding, no cross-talk).
+Batches: up to batch_size prompts (default 8) are generated together, as one batch padded on
+the left, through one KV cache. Each row has its own positions (the padding is not counted),
+never attends to padding or to another row, and has its own random generator seeded with
+`seed`; a row that stops (eos, max_new_tokens) leaves the batch without changing the others. So
+a prompt gives the same text alone or in a batch; the only difference is float rounding (a
+batched matrix product may sum in another order than the same row alone), which changes a
+token only at a near-tie of two logits (greedy) or of a sampled CDF boundary (README,
+"Generation"). batch_size=1 generates the prompts one after another.
 
 Lengths. A model with positions sees at most model.max_seq_len tokens. A longer prompt is an
 error (on_long_prompt=error, the default) or, with on_long_prompt=truncate, is cut from the left
@@ -43,7 +49,7 @@ from lmsys.cli import Option, parse_options, run_cli
 from lmsys.cli import warn as cli_warn
 from lmsys.errors import UsageError
 from lmsys.export import TOKENIZER_OPTION, load_model
-from lmsys.model import KVCache, context_prefix
+from lmsys.model import KVCache, autoregressive, context_prefix
 from lmsys.ops import prepare_kernels
 from lmsys.runtime import DEVICE_OPTION, DTYPE_OPTION, resolve_device, resolve_dtype
 
@@ -130,7 +136,7 @@ def _context_window(cfg) -> int | None:
 
 def cache_supported(cfg) -> bool:
     """A KV cache is exact only when earlier positions never see later tokens."""
-    return cfg.attention.causal and cfg.attention.softmax == "row"
+    return autoregressive(cfg)
 
 
 def prompt_ids(tokenizer, text: str, start_of_document: bool = True) -> list[int]:
@@ -191,7 +197,93 @@ def fit_prompt(
     return ids, max_new_tokens
 
 
+def _generator(seed: int | None) -> torch.Generator:
+    """The sampler's own random stream: seeded, or fresh when seed is None."""
+    generator = torch.Generator()
+    if seed is not None:
+        generator.manual_seed(int(seed))
+    else:
+        generator.seed()
+    return generator
+
+
+def _left_padded(prompts: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask), both (B, T_max): every prompt ends in the last column, so the next token of
+    every row goes to the same cache slot; mask is False on the padding (id 0, never attended)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+        mask[row, width - len(prompt) :] = True
+    return ids.to(device), mask.to(device)
+
+
 @torch.inference_mode()
+def generate_batch(
+    model,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: Sequence[int],
+    sampling: Sampling = Sampling(),
+    eos_id: int | None = None,
+    seed: int | None = None,
+    use_cache: bool = True,
+    on_token: Callable[[int, int], None] | None = None,
+    stop: Callable[[int, list[int]], bool] | None = None,
+) -> list[list[int]]:
+    """New token ids after each prompt (each already fitted to the model: see fit_prompt).
+
+    The prompts run as one batch, padded on the left, through one KV cache: the prompt forward,
+    then one position per step for every row still generating. Row i gets its own random
+    generator seeded with `seed`, its own positions, and never sees another row's tokens, so it
+    gives the tokens prompts[i] gives alone (the README's "Generation" says where float rounding
+    can differ). A row stops after eos (not included), after max_new_tokens[i] tokens, or when
+    stop(i, its tokens) is true, and then leaves the batch. `on_token(i, token)` sees each new
+    token. Without a cache (use_cache=False, or a model that cannot use one) the prompts are
+    generated one after another, each re-running its whole prefix per token."""
+    sampling.check()
+    generators = [_generator(seed) for _ in prompts]
+    outputs: list[list[int]] = [[] for _ in prompts]
+
+    def take(row: int, token: int) -> bool:
+        """Record row's next token; whether the row goes on."""
+        if eos_id is not None and token == eos_id:
+            return False
+        outputs[row].append(token)
+        if on_token is not None:
+            on_token(row, token)
+        return len(outputs[row]) < max_new_tokens[row] and not (stop is not None and stop(row, outputs[row]))
+
+    active = [row for row in range(len(prompts)) if max_new_tokens[row] > 0]  # batch slot -> row
+    if not active:
+        return outputs
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    if not (use_cache and cache_supported(model.cfg)):
+        for row in active:  # one prompt at a time, its whole sequence each step
+            ids = torch.tensor([list(prompts[row])], dtype=torch.long, device=device)  # (1, T)
+            while take(row, next_token(model(ids)[0, -1], sampling, generators[row])):
+                ids = torch.cat([ids, ids.new_tensor([[outputs[row][-1]]])], dim=1)  # (1, T + 1)
+        return outputs
+    ids, mask = _left_padded([prompts[row] for row in active], device)  # (B, T)
+    steps = max(max_new_tokens[row] for row in active)
+    cache = KVCache.empty(model.cfg, len(active), ids.shape[1] + steps - 1, device, dtype)
+    padded = not bool(mask.all())
+    logits = model(ids, cache, mask if padded else None)[:, -1]  # (B, V)
+    while True:
+        last = logits.float().cpu()  # (B, V): one transfer per step
+        going = []  # the batch slots of the rows that go on
+        for slot, row in enumerate(active):
+            if take(row, next_token(last[slot], sampling, generators[row])):
+                going.append(slot)
+        if not going:
+            return outputs
+        if len(going) < len(active):  # finished rows leave: the others' numbers do not depend on them
+            cache = cache.select(torch.tensor(going, device=device))
+            active = [active[slot] for slot in going]
+        step = torch.tensor([[outputs[row][-1]] for row in active], dtype=torch.long, device=device)  # (B, 1)
+        logits = model(step, cache)[:, -1]
+
+
 def generate_one(
     model,
     prompt: Sequence[int],
@@ -202,48 +294,11 @@ def generate_one(
     use_cache: bool = True,
     on_token: Callable[[int], None] | None = None,
 ) -> list[int]:
-    """New token ids after `prompt` (which must already fit the model: see fit_prompt).
-
-    Stops after eos (not included) or max_new_tokens. With use_cache, the prompt is run once to
-    fill a preallocated KV cache and each new token is one position's forward."""
-    sampling.check()
-    cfg = model.cfg
-    if use_cache and not cache_supported(cfg):
-        use_cache = False
-    device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
-    generator = torch.Generator()
-    if seed is not None:
-        generator.manual_seed(int(seed))
-    else:
-        generator.seed()
-    if max_new_tokens <= 0:
-        return []
-    ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)  # (1, T)
-    cache = None
-    if use_cache:
-        capacity = ids.shape[1] + max_new_tokens - 1
-        cache = KVCache.empty(cfg, 1, max(capacity, ids.shape[1]), device, dtype)
-        logits = model(ids, cache)[0, -1]  # (V,)
-    else:
-        logits = model(ids)[0, -1]
-    out: list[int] = []
-    while True:
-        token = next_token(logits, sampling, generator)
-        if eos_id is not None and token == eos_id:
-            break
-        out.append(token)
-        if on_token is not None:
-            on_token(token)
-        if len(out) >= max_new_tokens:
-            break
-        step = torch.tensor([[token]], dtype=torch.long, device=device)  # (1, 1)
-        if cache is not None:
-            logits = model(step, cache)[0, -1]
-        else:
-            ids = torch.cat([ids, step], dim=1)
-            logits = model(ids)[0, -1]
-    return out
+    """New token ids after one prompt (which must already fit the model: see fit_prompt): a batch
+    of one. Stops after eos (not included) or max_new_tokens. With use_cache, the prompt is run
+    once to fill a preallocated KV cache and each new token is one position's forward."""
+    callback = (lambda _row, token: on_token(token)) if on_token is not None else None
+    return generate_batch(model, [prompt], [max_new_tokens], sampling, eos_id, seed, use_cache, callback)[0]
 
 
 def generate(
@@ -258,26 +313,34 @@ def generate(
     eos_id: int | None = None,
     seed: int | None = None,
     use_cache: bool = True,
+    batch_size: int = 8,
     on_long_prompt: str = "error",
     warn: Callable[[str], None] | None = None,
     on_token: Callable[[int, int], None] | None = None,
 ) -> list[list[int]]:
-    """New token ids for each prompt (a (B, T) tensor or a list of id lists of any lengths).
+    """New token ids for each prompt (a (B, T) tensor or a list of id lists of any lengths), in
+    batches of `batch_size` prompts (generate_batch).
 
-    Every prompt is generated on its own with a generator seeded with `seed`, so prompt i
-    gives the same tokens alone or in a batch. `on_token(i, token)` sees each new token."""
+    Every prompt has its own generator seeded with `seed`, so prompt i gives the same tokens
+    alone or in a batch. `on_token(i, token)` sees each new token."""
     sampling = Sampling(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
     sampling.check()
+    if batch_size < 1:
+        raise GenerationError(f"batch_size={batch_size} must be >= 1")
     if isinstance(prompts, torch.Tensor):
         if prompts.dim() == 1:
             prompts = prompts[None]
         prompts = prompts.tolist()
-    results = []
+    planned = []  # every prompt is checked before anything is generated
     for i, prompt in enumerate(prompts):
         label = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
-        ids, n_new = fit_prompt(list(prompt), model.cfg, max_new_tokens, on_long_prompt, warn, label)
-        callback = (lambda tok, _i=i: on_token(_i, tok)) if on_token is not None else None
-        results.append(generate_one(model, ids, n_new, sampling, eos_id, seed, use_cache, callback))
+        planned.append(fit_prompt(list(prompt), model.cfg, max_new_tokens, on_long_prompt, warn, label))
+    results: list[list[int]] = []
+    for start in range(0, len(planned), batch_size):
+        chunk = planned[start : start + batch_size]
+        callback = (lambda row, token, _s=start: on_token(_s + row, token)) if on_token is not None else None
+        ids, n_new = [ids for ids, _ in chunk], [n for _, n in chunk]
+        results += generate_batch(model, ids, n_new, sampling, eos_id, seed, use_cache, callback)
     return results
 
 
@@ -326,6 +389,7 @@ OPTIONS = [
     Option("top_p", "float", 1.0, "sample from the smallest set with this much probability (1 = all)"),
     Option("seed", "int", 1234, "random seed of the sampler (none: a fresh one)"),
     Option("cache", "bool", True, "use the KV cache"),
+    Option("batch_size", "int", 8, "prompts generated together, as one padded batch"),
     Option("on_long_prompt", "choice", "error", "a prompt longer than model.max_seq_len", LONG_PROMPT),
     Option("stream", "bool", True, "print tokens as they come (single prompt)"),
     Option("echo", "bool", True, "print the prompt before its continuation"),
@@ -364,6 +428,17 @@ def read_prompts(opts: dict) -> list[str]:
     return prompts
 
 
+def _print_result(i: int, prompt: str, completion: str, n_tokens: int, opts: dict) -> None:
+    if opts["output"] == "jsonl":
+        record = {"prompt": prompt, "completion": completion, "new_tokens": n_tokens}
+        print(json.dumps(record, ensure_ascii=False))
+    else:
+        if i > 0:
+            print("-" * 40)
+        print((prompt if opts["echo"] else "") + completion)
+    sys.stdout.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
 
@@ -377,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
         if not opts["model"]:
             raise UsageError(f"model= is required; run `{PROG} --help` for the options")
         texts = read_prompts(opts)
+        if opts["batch_size"] is None or opts["batch_size"] < 1:
+            raise UsageError(f"batch_size={opts['batch_size']} must be >= 1")
         sampling = Sampling(
             greedy=opts["greedy"], temperature=opts["temperature"], top_k=opts["top_k"], top_p=opts["top_p"]
         )
@@ -402,28 +479,28 @@ def main(argv: list[str] | None = None) -> int:
             planned.append(
                 fit_prompt(ids, model.cfg, opts["max_new_tokens"], opts["on_long_prompt"], warn, label)
             )
-        single_stream = len(texts) == 1 and opts["stream"] and opts["output"] == "text"
-        for i, (text, (ids, n_new)) in enumerate(zip(texts, planned)):
-            stream = TextStream(tok) if single_stream else None
-            if single_stream and opts["echo"]:
-                sys.stdout.write(text)
+        if len(texts) == 1 and opts["stream"] and opts["output"] == "text":
+            (ids, n_new), stream = planned[0], TextStream(tok)
+            if opts["echo"]:
+                sys.stdout.write(texts[0])
                 sys.stdout.flush()
-            new = generate_one(model, ids, n_new, sampling, tok.eos_id, opts["seed"], use_cache, stream)
-            completion = tok.decode(new)
-            if stream is not None:
-                stream.finish()
-                sys.stdout.write("\n")
-            elif opts["output"] == "jsonl":
-                print(
-                    json.dumps(
-                        {"prompt": text, "completion": completion, "new_tokens": len(new)}, ensure_ascii=False
-                    )
-                )
-            else:
-                if i > 0:
-                    print("-" * 40)
-                print((text if opts["echo"] else "") + completion)
-            sys.stdout.flush()
+            generate_one(model, ids, n_new, sampling, tok.eos_id, opts["seed"], use_cache, stream)
+            stream.finish()
+            sys.stdout.write("\n")
+            return 0
+        for start in range(0, len(planned), opts["batch_size"]):  # one padded batch at a time
+            chunk = planned[start : start + opts["batch_size"]]
+            news = generate_batch(
+                model,
+                [ids for ids, _ in chunk],
+                [n for _, n in chunk],
+                sampling,
+                tok.eos_id,
+                opts["seed"],
+                use_cache,
+            )
+            for i, new in enumerate(news, start):
+                _print_result(i, texts[i], tok.decode(new), len(new), opts)
         return 0
 
     return run_cli(PROG, body)

@@ -108,6 +108,7 @@ class MetricsLogger:
         self._file = open(self.path, "a", encoding="utf-8")
         self.wandb_run = None
         self.wandb_mode = "disabled"
+        self.wandb_location: str | None = None  # the online run's URL, the offline run's directory
         mode = logger_cfg.wandb
         if mode == "online" and not os.environ.get("WANDB_API_KEY"):
             warn("logger.wandb=online but WANDB_API_KEY is not set; logging to W&B offline instead")
@@ -175,6 +176,7 @@ class MetricsLogger:
                 )
                 return None
         self.wandb_mode = mode
+        self.wandb_location = run.url if mode == "online" else str(run.settings.sync_dir)
         run.define_metric("train/*", step_metric="step")
         run.define_metric("eval/*", step_metric="step")
         return run
@@ -212,6 +214,15 @@ class MetricsLogger:
         self._file.flush()
         if self.wandb_run is not None and to_wandb:
             self._to_wandb(kind, step, values)
+
+    def wandb_line(self) -> str:
+        """Where this run's W&B record is, and for an offline run how to upload it."""
+        if self.wandb_mode == "online":
+            return f"W&B: online run {self.wandb_location}"
+        if self.wandb_mode == "offline":
+            where = self.wandb_location
+            return f"W&B: offline run in {where}; upload it with: wandb sync {where}"
+        return f"W&B: off (metrics in {self.path})"
 
     def summary(self, values: dict[str, Any]) -> None:
         if self.wandb_run is not None:

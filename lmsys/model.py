@@ -84,6 +84,16 @@ class Positions(nn.Module):
             )
         return self.table[start : start + length]
 
+    def per_row(self, positions: torch.Tensor) -> torch.Tensor | None:  # (B, T) -> (B, T, D) or None
+        """P[positions[b, t]]: every row numbered on its own (a left-padded batch)."""
+        if self.table is None:
+            return None
+        if int(positions.max()) >= self.max_len:
+            raise ValueError(
+                f"sequence of {int(positions.max()) + 1} positions exceeds model.max_seq_len={self.max_len}"
+            )
+        return self.table[positions]
+
 
 # ----------------------------------------------------------------------------- KV cache
 
@@ -93,12 +103,14 @@ class KVCache:
     """Keys and values of every layer for the positions already processed (generation).
 
     Preallocated to `max_len`, so appending a token costs one write per layer and attention over
-    the cache is O(T) per new token instead of recomputing the whole prefix.
+    the cache is O(T) per new token instead of recomputing the whole prefix. Every row has the
+    same number of slots; in a padded batch `real` marks the slots that hold a token.
     """
 
     keys: list[torch.Tensor]  # n_layers x (B, H, max_len, d_qk)
     values: list[torch.Tensor]  # n_layers x (B, H, max_len, d_vo)
-    length: int = 0
+    length: int = 0  # slots filled
+    real: torch.Tensor | None = None  # (B, max_len) bool, False at padding; None while no slot was padding
 
     @classmethod
     def empty(
@@ -117,6 +129,28 @@ class KVCache:
     @property
     def capacity(self) -> int:
         return self.keys[0].shape[2]
+
+    def track_padding(self, mask: torch.Tensor | None, t: int) -> torch.Tensor | None:
+        """Record which of the next t slots hold a token (mask (B, t), None: all of them) and
+        return the mask of every slot up to them (B, length + t), or None while none is padding."""
+        if mask is None and self.real is None:
+            return None
+        if self.real is None:
+            batch, device = self.keys[0].shape[0], self.keys[0].device
+            self.real = torch.ones(batch, self.capacity, dtype=torch.bool, device=device)
+        end = self.length + t
+        self.real[:, self.length : end] = True if mask is None else mask
+        return self.real[:, :end]
+
+    def select(self, rows: torch.Tensor) -> KVCache:
+        """The cache of batch rows `rows` (B',), in that order, repeats allowed: drops the rows that
+        finished generating, or gives one context to each of its continuations."""
+        return KVCache(
+            keys=[k.index_select(0, rows) for k in self.keys],
+            values=[v.index_select(0, rows) for v in self.values],
+            length=self.length,
+            real=None if self.real is None else self.real.index_select(0, rows),
+        )
 
 
 # ----------------------------------------------------------------------------- attention
@@ -160,8 +194,14 @@ class Attention(nn.Module):
         v = v.view(b, t, h, d_vo).transpose(1, 2)  # (B, H, T, d_vo)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        b, t, _ = x.shape  # (B, T, D)
+    def forward(
+        self,
+        x: torch.Tensor,  # (B, T, D)
+        cache: KVCache | None = None,
+        layer: int = 0,
+        key_mask: torch.Tensor | None = None,  # (B, Tk) bool, False at padding (Transformer.forward)
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
         q, k, v = self.project_qkv(x)
         if cache is not None:
             start = cache.length
@@ -170,7 +210,14 @@ class Attention(nn.Module):
             k = cache.keys[layer][:, :, : start + t]  # (B, H, start+T, d_qk)
             v = cache.values[layer][:, :, : start + t]  # (B, H, start+T, d_vo)
         heads = ops.attention(
-            q, k, v, causal=self.causal, scale=self.scale, kernels=self.kernels, softmax=self.softmax
+            q,
+            k,
+            v,
+            causal=self.causal,
+            scale=self.scale,
+            kernels=self.kernels,
+            softmax=self.softmax,
+            key_mask=key_mask,
         )  # (B, H, T, d_vo)
         heads = heads.transpose(1, 2).reshape(b, t, self.n_heads * self.d_vo)  # (B, T, H*d_vo)
         return self.w_o(heads)  # (B, T, D)
@@ -264,22 +311,30 @@ class Block(nn.Module):
         self.norm1 = Norm(cfg) if cfg.block in ("pre", "post", "parallel") else None
         self.norm2 = Norm(cfg) if cfg.block in ("pre", "post") else None
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,  # (B, T, D)
+        cache: KVCache | None = None,
+        layer: int = 0,
+        key_mask: torch.Tensor | None = None,  # (B, Tk) bool, False at padding
+    ) -> torch.Tensor:
         if self.arrangement == "none":
-            y = x + self.attn(x, cache, layer)
+            y = x + self.attn(x, cache, layer, key_mask)
             return y + self.ffn(y)
         if self.arrangement == "pre":
             assert self.norm1 is not None and self.norm2 is not None
-            normed, y = self.norm2.add_norm(self.attn(self.norm1(x), cache, layer), x)  # y = X + attn
+            normed, y = self.norm2.add_norm(
+                self.attn(self.norm1(x), cache, layer, key_mask), x
+            )  # y = X + attn
             return y + self.ffn(normed)
         if self.arrangement == "post":
             assert self.norm1 is not None and self.norm2 is not None
-            y, _ = self.norm1.add_norm(self.attn(x, cache, layer), x)
+            y, _ = self.norm1.add_norm(self.attn(x, cache, layer, key_mask), x)
             out, _ = self.norm2.add_norm(self.ffn(y), y)
             return out
         assert self.norm1 is not None  # parallel
         normed = self.norm1(x)
-        return x + self.attn(normed, cache, layer) + self.ffn(normed)
+        return x + self.attn(normed, cache, layer, key_mask) + self.ffn(normed)
 
 
 # ----------------------------------------------------------------------------- unembedding
@@ -374,24 +429,44 @@ class Transformer(nn.Module):
 
     # -- forward ------------------------------------------------------------------------------
 
-    def forward(self, ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """ids (B, T) LongTensor -> logits (B, T, V). With a cache, ids are the next T tokens
-        after the cache's positions and their keys/values are appended to it."""
-        return self.unembed(self.hidden_states(ids, cache))  # (B, T, V)
+    def forward(
+        self,
+        ids: torch.Tensor,  # (B, T) LongTensor
+        cache: KVCache | None = None,
+        mask: torch.Tensor | None = None,  # (B, T) bool: False at padding
+    ) -> torch.Tensor:  # (B, T, V)
+        """Logits of every position. With a cache, ids are the next T tokens after the cache's
+        slots and their keys/values are appended to it.
 
-    def hidden_states(self, ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """ids (B, T) -> the last hidden states (B, T, D): everything before the unembedding."""
+        A padded batch (rows of different lengths, e.g. prompts padded on the left) passes `mask`,
+        False at the padding: a token's position is then the number of real tokens before it in
+        its row (the cache remembers the earlier slots' mask), and attention hides the padding,
+        so each row computes what it computes alone (up to float rounding: README, "Generation").
+        Without a mask every token is real."""
+        return self.unembed(self.hidden_states(ids, cache, mask))  # (B, T, V)
+
+    def hidden_states(
+        self,
+        ids: torch.Tensor,  # (B, T) LongTensor
+        cache: KVCache | None = None,
+        mask: torch.Tensor | None = None,  # (B, T) bool: False at padding
+    ) -> torch.Tensor:  # (B, T, D)
+        """The last hidden states: everything `forward` does before the unembedding."""
         if ids.dim() != 2:
             raise ValueError(f"expected token ids of shape (B, T), got {tuple(ids.shape)}")
-        start = cache.length if cache is not None else 0
-        if cache is not None and start + ids.shape[1] > cache.capacity:
-            raise ValueError(f"KV cache of {cache.capacity} positions cannot take {start + ids.shape[1]}")
+        start, t = (cache.length if cache is not None else 0), ids.shape[1]
+        if cache is not None and start + t > cache.capacity:
+            raise ValueError(f"KV cache of {cache.capacity} positions cannot take {start + t}")
+        key_mask = cache.track_padding(mask, t) if cache is not None else mask  # (B, start+T) or None
         x = self.tok_emb(ids)  # (B, T, D)
-        pos = self.positions(start, ids.shape[1])
+        if key_mask is None:
+            pos = self.positions(start, t)  # (T, D)
+        else:  # padding before a row's first token counts as position 0; it is never attended to
+            pos = self.positions.per_row((key_mask.cumsum(1)[:, start:] - 1).clamp_min(0))  # (B, T, D)
         if pos is not None:
             x = x + pos.to(x.dtype)
         for layer, block in enumerate(self.blocks):
-            x = block(x, cache, layer)
+            x = block(x, cache, layer, key_mask)
         if self.final_norm is not None:
             x = self.final_norm(x)
         if cache is not None:
@@ -439,6 +514,12 @@ def context_prefix(cfg: ModelConfig) -> list[int]:
     """Token ids every input of this model starts with: [bos_shift_id] under bos_shift (position
     0 always held it in training), none otherwise."""
     return [cfg.bos_shift_id] if cfg.bos_shift else []
+
+
+def autoregressive(cfg: ModelConfig) -> bool:
+    """Whether earlier positions never see later tokens (causal row-softmax attention): then a KV
+    cache is exact, and tokens appended after a sequence cannot change its earlier outputs."""
+    return cfg.attention.causal and cfg.attention.softmax == "row"
 
 
 def tokens_per_sample(cfg: ModelConfig, seq_len: int) -> int:

@@ -125,9 +125,17 @@ def attention(
     scale: float,
     kernels: str = "auto",
     softmax: str = "row",
+    key_mask: torch.Tensor | None = None,  # (B, Tk) bool: False at padding keys
 ) -> torch.Tensor:  # (B, H, Tq, d_vo)
     """softmax(scale * Q K^T + M) V per head. With Tq < Tk (decoding with a KV cache) the queries
-    are the last Tq positions, so the causal mask is aligned to the bottom-right corner."""
+    are the last Tq positions, so the causal mask is aligned to the bottom-right corner. With a
+    key_mask (a padded batch) the padding keys are hidden from every query (padded_attention)."""
+    if key_mask is not None:
+        if softmax == "matrix":
+            raise ValueError(
+                "attention.softmax=matrix normalises over the whole matrix: it cannot take padding"
+            )
+        return padded_attention(q, k, v, key_mask, causal=causal, scale=scale)
     if softmax == "matrix":
         return matrix_softmax_attention(q, k, v, causal=causal, scale=scale)
     same_length = q.shape[2] == k.shape[2]
@@ -143,6 +151,31 @@ def attention(
         visible = torch.arange(t_k, device=q.device)[None, :] <= query_pos  # (Tq, Tk)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+
+def padded_attention(
+    q: torch.Tensor,  # (B, H, Tq, d_qk): the last Tq of the Tk key slots
+    k: torch.Tensor,  # (B, H, Tk, d_qk)
+    v: torch.Tensor,  # (B, H, Tk, d_vo)
+    key_mask: torch.Tensor,  # (B, Tk) bool: False at padding slots
+    *,
+    causal: bool,
+    scale: float,
+) -> torch.Tensor:  # (B, H, Tq, d_vo)
+    """Row-softmax attention of a padded batch, in torch (the flash kernel takes no mask).
+
+    A padding key's score is -inf, so its softmax weight is exactly 0 and it adds nothing to any
+    real query's output. A query that is itself padding would see no key at all (a 0/0 row of
+    NaN whose 0 * NaN would then reach real rows through the values): it sees its own slot
+    instead, which keeps it finite; its output is never read."""
+    t_q, t_k = q.shape[2], k.shape[2]
+    query_slot = torch.arange(t_k - t_q, t_k, device=q.device)[:, None]  # (Tq, 1)
+    key_slot = torch.arange(t_k, device=q.device)[None, :]  # (1, Tk)
+    visible = key_mask[:, None, None, :]  # (B, 1, 1, Tk)
+    if causal:
+        visible = visible & (key_slot <= query_slot)  # (B, 1, Tq, Tk)
+    visible = visible | (key_slot == query_slot)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
 
 
 def matrix_softmax_attention(

@@ -1,13 +1,17 @@
-"""Generation benchmark: tokens/s with the KV cache against without it, measured in the same run.
+"""Generation benchmark, two rows, each against a baseline measured in the same run:
+tokens/s with the KV cache against without it (one prompt), and a batch of `batch` prompts
+generated together (one padded batch, lmsys.generate.generate_batch) against the same prompts
+generated one after another with the cache.
 
     python -m lmsys.bench generate                       # tiny preset, 16-token prompt, 112 new tokens
     python -m lmsys.bench generate preset=gpt2_124m new_tokens=256 device=cuda
     python -m lmsys.bench generate set=max_seq_len=1024 repeats=1   # a longer window: O(T) vs O(T^2)
 
-Both runs generate greedily from the same random-weight model and prompt, so they produce the
-same tokens (checked); the ratio cached/uncached is the figure to report (docs/DESIGN.md: every
-benchmark prints a ratio against a baseline measured in the same run), with the absolute
-numbers and the device.
+Every run generates greedily from the same random-weight model, so both sides of a row produce
+the same tokens (checked and printed); the ratios are the figures to report (docs/DESIGN.md:
+every benchmark prints a ratio against a baseline measured in the same run), with the absolute
+numbers and the device. The batch's prompts have different lengths (prompt_tokens * i / batch
+tokens for i = 1..batch), so the batched run pays for its padding.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 from lmsys.cli import Option, parse_options, run_cli
 from lmsys.config import compose_model
 from lmsys.errors import UsageError
-from lmsys.generate import Sampling, generate_one
+from lmsys.generate import Sampling, generate_batch, generate_one
 from lmsys.metrics import device_name
 from lmsys.model import Transformer
 from lmsys.ops import prepare_kernels
@@ -34,12 +38,16 @@ OPTIONS = [
     Option("prompt_tokens", "int", 16, "prompt length"),
     Option("new_tokens", "int", None, "tokens to generate (default: fill the context window)"),
     Option("repeats", "int", 3, "timed repetitions of each (the best is reported)"),
+    Option("batch", "int", 8, "prompts of the batched row"),
     DEVICE_OPTION,
     DTYPE_OPTION,
     Option("threads", "int", None, "CPU threads for torch (default: torch's choice)"),
 ]
 
-SUMMARY = "Generation benchmark: tokens/s with and without the KV cache (greedy, random weights)."
+SUMMARY = (
+    "Generation benchmark: tokens/s with and without the KV cache, and a batch of prompts against the\n"
+    "same prompts one at a time (greedy, random weights)."
+)
 
 
 def _timed(fn, device: torch.device) -> tuple[float, list[int]]:
@@ -50,6 +58,34 @@ def _timed(fn, device: torch.device) -> tuple[float, list[int]]:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - t0, out
+
+
+def _best(fn, repeats: int, device: torch.device) -> tuple[float, list]:
+    """(the fastest of `repeats` timed calls, its output), after one untimed warm-up call."""
+    fn()
+    best, out = float("inf"), []
+    for _ in range(max(1, repeats)):
+        seconds, out = _timed(fn, device)
+        best = min(best, seconds)
+    return best, out
+
+
+def batch_row(model, n_prompt: int, new: int, batch: int, repeats: int, device: torch.device) -> dict:
+    """`batch` prompts of different lengths generated as one padded batch against one by one."""
+    g = torch.Generator().manual_seed(2)
+    lengths = [max(1, n_prompt * (i + 1) // batch) for i in range(batch)]
+    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    greedy = Sampling(greedy=True)
+    together, batched = _best(lambda: generate_batch(model, prompts, [new] * batch, greedy), repeats, device)
+    alone, singles = _best(lambda: [generate_one(model, p, new, greedy) for p in prompts], repeats, device)
+    tokens = sum(len(t) for t in batched)
+    return {
+        "batch": batch,
+        "batch_tokens_per_s": tokens / together,
+        "single_tokens_per_s": tokens / alone,
+        "batch_ratio": alone / together,
+        "batch_same_tokens": batched == singles,
+    }
 
 
 def run(opts: dict) -> dict:
@@ -67,22 +103,21 @@ def run(opts: dict) -> dict:
         raise UsageError(
             f"prompt_tokens={n_prompt} + new_tokens={new} must fit the context window of {window} (+1)"
         )
+    if opts["batch"] is None or opts["batch"] < 1:
+        raise UsageError(f"batch={opts['batch']} must be >= 1")
     prompt = torch.randint(
         0, cfg.vocab_size, (n_prompt,), generator=torch.Generator().manual_seed(1)
     ).tolist()
     greedy = Sampling(greedy=True)
     results = {}
     for name, use_cache in (("cached", True), ("uncached", False)):
-        generate_one(model, prompt, min(new, 4), greedy, None, 0, use_cache)  # warm-up
-        best, tokens = float("inf"), []
-        for _ in range(max(1, opts["repeats"])):
-            seconds, tokens = _timed(
-                lambda uc=use_cache: generate_one(model, prompt, new, greedy, None, 0, uc), device
-            )
-            best = min(best, seconds)
+        run_once = lambda uc=use_cache: generate_one(model, prompt, new, greedy, None, 0, uc)  # noqa: E731
+        best, tokens = _best(run_once, opts["repeats"], device)
         results[name] = {"seconds": best, "tokens_per_s": len(tokens) / best, "tokens": tokens}
     same = results["cached"]["tokens"] == results["uncached"]["tokens"]
+    batched = batch_row(model, n_prompt, new, opts["batch"], opts["repeats"], device)
     return {
+        **batched,
         "preset": opts["preset"],
         "device": device_name(device),
         "dtype": opts["dtype"],
@@ -104,15 +139,22 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         r = run(opts)
         overrides = "".join(f" {o}" for o in opts["set"])
+        same, batch_same = ("yes" if r[k] else "NO" for k in ("same_tokens", "batch_same_tokens"))
+        shortest = max(1, r["prompt_tokens"] // r["batch"])
         print(
             f"generate {r['preset']}{overrides} on {r['device']}, {r['dtype']}: "
             f"prompt {r['prompt_tokens']} tokens, "
             f"{r['new_tokens']} new tokens (greedy)\n"
             f"  KV cache     {r['cached_tokens_per_s']:10.1f} tokens/s\n"
             f"  no cache     {r['uncached_tokens_per_s']:10.1f} tokens/s (baseline: full prefix each token)\n"
-            f"  ratio        {r['ratio']:10.2f}x  (same tokens: {'yes' if r['same_tokens'] else 'NO'})"
+            f"  ratio        {r['ratio']:10.2f}x  (same tokens: {same})\n"
+            f"batch of {r['batch']} prompts of {shortest}-{r['prompt_tokens']} tokens, "
+            f"{r['new_tokens']} new tokens each (greedy, KV cache)\n"
+            f"  one batch    {r['batch_tokens_per_s']:10.1f} tokens/s\n"
+            f"  one by one   {r['single_tokens_per_s']:10.1f} tokens/s (baseline: {r['batch']} single runs)\n"
+            f"  ratio        {r['batch_ratio']:10.2f}x  (same tokens: {batch_same})"
         )
-        return 0 if r["same_tokens"] else 1
+        return 0 if r["same_tokens"] and r["batch_same_tokens"] else 1
 
     return run_cli(PROG, body)
 

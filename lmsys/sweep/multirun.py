@@ -212,6 +212,16 @@ def multirun_defaults(cfg: Any) -> None:
             cfg.logger.group = sweep_name(hc.sweep.dir)
 
 
+def job_header(cfg: Any) -> str | None:
+    """`sweep job 3: optim.lr=1e-3 model=tiny -> <run dir>` in a multirun job (Hydra's own job
+    lines are off: conf/config.yaml), None in a plain run. Call after multirun_defaults."""
+    if not in_multirun():
+        return None
+    hc = HydraConfig.get()
+    overrides = " ".join(hc.overrides.task) or "(no overrides)"
+    return f"sweep job {hc.job.num}: {overrides} -> {cfg.trainer.run_dir}"
+
+
 SWEEP_DIR_KEY = "lmsys/sweep_dir"  # in torchrun's store: the sweep directory the ranks agreed on
 
 

@@ -188,6 +188,27 @@ def test_val_batches_come_from_the_held_out_split(data):
     assert again == got[0]  # the same sequences at every evaluation
 
 
+def test_val_batches_zero_cover_the_whole_split_once(data):
+    tokens = data.split("val")
+    num = len(tokens) // S
+    whole = Counter(tokens.read(i * S, S).astype(np.int64).tobytes() for i in range(num))
+    fillers = 0
+    for world, micro in ((1, 6), (2, 3), (3, 2), (2, 1)):
+        ranks = [loader(data, world=world, rank=r, micro=micro) for r in range(world)]
+        batches = [lo.val_batches(0) for lo in ranks]
+        assert len({len(b) for b in batches}) == 1  # every rank runs as many forwards
+        scored: Counter = Counter()
+        for batch in (b for bs in batches for b in bs):
+            for row, weights in zip(rows(batch), batch.weights, strict=True):
+                assert bool(weights.all()) or not bool(weights.any())  # a row is scored or filler
+                scored[row] += bool(weights.all())
+        assert +scored == whole  # every sequence exactly once
+        fillers += sum(len(b) for b in batches) * micro - num
+        assert ranks[0].val_coverage(0) == (num, num)
+        assert ranks[0].val_coverage(1) == (min(num, world * micro), num)
+    assert fillers > 0  # some round ended past the split's end
+
+
 def test_mask_doc_boundaries_weights(data):
     plain = loader(data, micro=6)
     masked = loader(data, micro=6, mask_doc_boundaries=True)

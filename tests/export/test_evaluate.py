@@ -25,15 +25,26 @@ def held_out_text() -> str:
 
 def _direct_nll(model, tokens: list[int], seq_len: int, context: int) -> float:
     """Sum over consecutive windows of `model.loss` (the training loss) times the window length:
-    window k is predicted from the token before it (`context` for the first window)."""
-    total, previous = 0.0, context
-    for start in range(0, len(tokens), seq_len):
+    window k is predicted from the token before it (`context` for the first window). The rest
+    after the last full window is scored like the training loader's last sequence: the last
+    seq_len tokens, with loss weight 0 on those already scored."""
+    total, previous, n = 0.0, context, len(tokens)
+    full = n - n % seq_len
+    for start in range(0, full, seq_len):
         window = tokens[start : start + seq_len]
         seq = torch.tensor([[previous, *window]])  # (1, 1 + S): loss predicts window from its prefix
         if model.cfg.bos_shift:  # the model predicts position 0 from bos_shift_id itself
             seq = torch.tensor([window])
         total += float(model.loss(seq)) * len(window)
         previous = window[-1]
+    if full < n:
+        start = max(0, n - seq_len)
+        seq = [tokens[start - 1] if start > 0 else context, *tokens[start:]]
+        weights = torch.zeros(len(seq))
+        weights[len(seq) - (n - full) :] = 1.0  # only the tokens not scored yet
+        if model.cfg.bos_shift:
+            seq, weights = seq[1:], weights[1:]
+        total += float(model.loss(torch.tensor([seq]), weights[None])) * (n - full)
     return total
 
 
@@ -63,7 +74,7 @@ def test_text_eval_equals_the_training_loss_computed_directly(tokenizer_path, pr
 
 @torch.no_grad()
 def test_each_token_is_predicted_once_in_order(tokenizer_path):
-    """token_nll[i] is -log p(token i | its window's prefix): check three positions by hand."""
+    """token_nll[i] is -log p(token i | its window's prefix): check four positions by hand."""
     torch.manual_seed(4)
     model = Transformer(small_config()).eval()
     tokens = torch.randint(4, 512, (50,), generator=torch.Generator().manual_seed(0))
@@ -73,6 +84,8 @@ def test_each_token_is_predicted_once_in_order(tokenizer_path):
     assert math.isclose(nll[0], logp([2], 0), rel_tol=1e-5)  # the first token, from eos
     assert math.isclose(nll[20], logp([int(tokens[19])], 20), rel_tol=1e-5)  # a window's first
     assert math.isclose(nll[25], logp([int(tokens[19]), *tokens[20:25].tolist()], 25), rel_tol=1e-5)
+    # tokens 40..49 come last: the window of tokens 30..49, with its full 20 tokens of context
+    assert math.isclose(nll[45], logp(tokens[29:45].tolist(), 45), rel_tol=1e-5)
 
 
 @torch.no_grad()

@@ -61,9 +61,9 @@ def test_the_cache_is_what_is_used(monkeypatch):
     lengths = []
     real_forward = model.forward
 
-    def spy(ids, cache=None):
+    def spy(ids, cache=None, mask=None):
         lengths.append(ids.shape[1])
-        return real_forward(ids, cache)
+        return real_forward(ids, cache, mask)
 
     monkeypatch.setattr(model, "forward", spy)
     prompt = _prompt(6)
@@ -245,11 +245,13 @@ def test_generation_from_an_export_matches_the_model(random_export):
 
 
 def test_generate_benchmark_runs_both_ways_and_compares(capsys):
-    """`python -m lmsys.bench generate` (tiny, a short run): the same tokens both ways, a ratio."""
+    """`python -m lmsys.bench generate` (tiny, a short run): the same tokens both ways in both rows
+    (cache / no cache, one batch / one by one), and their ratios."""
     from lmsys.bench.__main__ import main
 
-    assert main(["generate", "prompt_tokens=8", "new_tokens=24", "repeats=1", "threads=1"]) == 0
+    assert main(["generate", "prompt_tokens=8", "new_tokens=24", "repeats=1", "threads=1", "batch=3"]) == 0
     out = capsys.readouterr().out
-    assert "KV cache" in out and "no cache" in out and "(same tokens: yes)" in out
-    ratio = float(out.split("ratio")[1].split("x")[0])
-    assert ratio > 0
+    assert "KV cache" in out and "no cache" in out and "one batch" in out and "3 single runs" in out
+    assert out.count("(same tokens: yes)") == 2
+    ratios = [float(part.split("x")[0]) for part in out.split("ratio")[1:]]
+    assert len(ratios) == 2 and min(ratios) > 0

@@ -101,15 +101,68 @@ def test_eval_over_every_checkpoint_of_the_run(main_job, trained_run, data_dir, 
 
 
 @pytest.mark.slow
-def test_exporting_again_replaces_the_runs_export(main_job, trained_run, capsys):
-    """The main job's export line can be re-run (after more training): <run>/export is replaced."""
+def test_exporting_again_replaces_the_runs_own_export(main_job, trained_run, capsys):
+    """The main job's export line can be re-run (after more training): <run>/export, an earlier
+    export of the same run and format, is replaced without overwrite=true."""
     from lmsys.export import main
 
-    stale = trained_run / "export" / "stale.txt"
-    stale.write_text("from an earlier export")
+    before = (trained_run / "export" / "model.safetensors").stat().st_mtime_ns
     assert main([str(trained_run), "verify=false"]) == 0
-    assert not stale.exists() and (trained_run / "export" / "model.safetensors").is_file()
+    assert (trained_run / "export" / "model.safetensors").stat().st_mtime_ns != before
     assert "wrote" in capsys.readouterr().out
+
+
+@pytest.fixture
+def run_copy(main_job, trained_run, tmp_path):
+    """A copy of the trained run with its lmsys-format export, to change freely."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    return run
+
+
+@pytest.mark.slow
+def test_an_export_holding_the_users_files_is_never_replaced(run_copy, capsys):
+    from lmsys.export import main
+
+    notes = run_copy / "export" / "notes.txt"
+    notes.write_text("mine")
+    before = {p.name: p.read_bytes() for p in (run_copy / "export").iterdir()}
+    for extra in ([], ["overwrite=true"]):
+        assert main([str(run_copy), "verify=false", *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "holds 'notes.txt'" in err[0] and "did not write" in err[0], err
+    assert {p.name: p.read_bytes() for p in (run_copy / "export").iterdir()} == before
+
+
+@pytest.mark.slow
+def test_each_format_has_its_own_default_directory(run_copy, capsys):
+    from lmsys.export import main
+
+    lmsys_export = {p.name: p.read_bytes() for p in (run_copy / "export").iterdir()}
+    assert main([str(run_copy), "format=hf", "verify=false"]) == 0
+    assert (run_copy / "export-hf" / "tokenizer.json").is_file()
+    assert {p.name: p.read_bytes() for p in (run_copy / "export").iterdir()} == lmsys_export
+
+
+@pytest.mark.slow
+def test_another_runs_export_needs_overwrite(run_copy, trained_run, tmp_path, capsys):
+    """out= holding an export of another run (here: the original run's) is not replaced silently."""
+    import os
+
+    from lmsys.export import main
+
+    out = tmp_path / "exported"
+    assert main([str(trained_run), f"out={out}", "verify=false"]) == 0
+    capsys.readouterr()
+    assert main([str(run_copy), f"out={out}", "verify=false"]) == 2
+    assert "already exists (a lmsys-format export)" in capsys.readouterr().err
+    assert main([str(run_copy), f"out={out}", "verify=false", "overwrite=true"]) == 0
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in out.iterdir():  # the usual permissions, not safetensors' 0600
+        assert path.stat().st_mode & 0o777 == 0o666 & ~mask, path
 
 
 def test_default_out_needs_a_run(tmp_path, random_export, capsys):

@@ -184,6 +184,29 @@ def test_memorises_a_repeated_batch(preset: str) -> None:
     assert loss.item() < 0.2 * first, f"{preset}: loss {first:.3f} -> {loss.item():.3f}"
 
 
+@pytest.mark.parametrize("preset", ["seed_trax", "tiny"])
+def test_activation_checkpointing_keeps_the_padded_forward_and_its_gradients(preset: str) -> None:
+    """engine.apply_activation_checkpointing re-runs each block in the backward with all of its
+    arguments, the padding mask included."""
+    from lmsys.engine import apply_activation_checkpointing  # the engine room; DeepSpeed not needed
+
+    ids = torch.randint(0, 31, (2, 10), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[1, :4] = False  # row 1 padded on the left
+    results = []
+    for wrap in (False, True):
+        model = small_model(preset)
+        if wrap:
+            assert apply_activation_checkpointing(model) == 2
+        logits = model(ids, mask=mask)
+        logits[mask].sum().backward()
+        results.append((logits.detach(), [p.grad for p in model.parameters()]))
+    (plain, plain_grads), (wrapped, wrapped_grads) = results
+    torch.testing.assert_close(wrapped, plain, atol=0, rtol=0)
+    for a, b in zip(wrapped_grads, plain_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
 def test_parameter_and_flops_helpers() -> None:
     model = Transformer(compose_model("gpt2_124m"))
     assert model.num_parameters() == 124_439_808  # GPT-2 small, tied embeddings counted once

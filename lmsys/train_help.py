@@ -1,0 +1,69 @@
+"""`lmsys-train --help`: lmsys's own help (Hydra's would be a config dump), with the config
+groups, the most used keys and their current values, and examples."""
+
+from __future__ import annotations
+
+from lmsys.config import compose, config_groups, config_to_dict, flatten_dict
+
+# The keys most runs set, with one line each (every key: lmsys/config.py and conf/).
+KEY_HELP = [
+    ("trainer.max_steps", "optimizer steps to train"),
+    ("trainer.global_batch_tokens", "tokens per optimizer step over all ranks (accumulation is derived)"),
+    ("trainer.micro_batch_size", "sequences per rank per forward"),
+    ("trainer.run_dir", "the run's directory (null: runs/<model.name>-<time>)"),
+    ("trainer.resume", "auto | never | a checkpoint or run directory to continue from"),
+    ("trainer.eval_interval", "steps between validations"),
+    ("trainer.eval_batches", "validation micro-batches per rank (0: the whole validation split)"),
+    ("trainer.save_interval", "steps between checkpoints"),
+    ("trainer.keep_last", "checkpoints kept"),
+    ("trainer.device", "auto | cpu | cuda"),
+    ("optim.lr", "peak learning rate (linear warmup, then cosine decay)"),
+    ("optim.warmup_steps", "steps of linear warmup"),
+    ("optim.decay_steps", "where the cosine ends (0: max_steps of the run's first launch)"),
+    ("data.dir", "prepared data (lmsys-prepare writes it)"),
+    ("data.seq_len", "positions per training sequence"),
+    ("deepspeed.stage", "ZeRO stage: 0 (replicated) to 3 (parameters sharded)"),
+    ("deepspeed.precision", "auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16"),
+    ("model.kernels", "auto (Triton on CUDA) | triton | torch"),
+    ("logger.wandb", "offline | online (needs WANDB_API_KEY) | disabled"),
+    ("logger.console_interval", "steps between progress lines in a log file (no terminal)"),
+    ("trainer.progress", "the progress bar in a terminal (false: progress lines instead)"),
+]
+
+EXAMPLES = """\
+examples:
+  python -m lmsys.prepare                                          # once: data/default
+  python -m lmsys.train trainer.max_steps=50                       # one process
+  torchrun --standalone --nproc_per_node=2 -m lmsys.train deepspeed=zero3 model=seed_trax
+  python -m launch.torchrun --nproc 8 -- model=gpt2_124m trainer=gpt2 optim=gpt2
+  lmsys-train -m optim.lr=1e-3,3e-4 model=tiny,seed_gpt            # a sweep: one job each
+  lmsys-train --cfg job model=gpt2_124m                            # print the composed config"""
+
+
+def usage(prog: str, doc: str, overrides: list[str]) -> str:
+    """lmsys-train --help: what it does (the first paragraph of `doc`), the config groups, the
+    most used keys and their values under `overrides` (`lmsys-train model=gpt2_124m --help` shows
+    that preset's)."""
+    defaults = flatten_dict(config_to_dict(compose(overrides)))
+    lines = [
+        f"usage: {prog} [group=choice ...] [key=value ...]     (or -m ... for a sweep)",
+        "",
+        doc.split("\n\n")[0].strip(),
+        "",
+        "config groups (group=choice; * marks the default):",
+    ]
+    for group, (choices, default) in config_groups().items():
+        marked = ", ".join(f"{c}*" if c == default else c for c in choices)
+        lines.append(f"  {group:<16}{marked}")
+    lines += ["", "most used keys (key=value; the value it has now in brackets):"]
+    for key, text in KEY_HELP:
+        value = defaults.get(key)
+        shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
+        lines.append(f"  {key:<30}{text} [{shown}]")
+    lines += [
+        "",
+        EXAMPLES,
+        "",
+        "Hydra's own flags: --cfg job, --info, --hydra-help. A mistake is one line on stderr, exit 2.",
+    ]
+    return "\n".join(lines)
