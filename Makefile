@@ -27,6 +27,8 @@ RUN ?= runs/main-$(shell date +%Y%m%d-%H%M%S)
 RUN := $(RUN)
 PROMPT ?= The module
 
+# launch.torchrun is torchrun --standalone plus what an operator expects of Ctrl-C and SIGTERM: the
+# ranks save their step and the launch ends with one line (exit 130 / 75), no agent traceback.
 train: $(VENV)/.installed
 	$(PY) -m lmsys.prepare
 	$(PY) -m launch.torchrun --nproc $(NPROC) -- model=tiny deepspeed=zero2 trainer.run_dir=$(RUN) $(ARGS)

@@ -4,7 +4,9 @@ Public, differentiable entry points, each in its module:
     kernels.flash_attention.flash_attention(q, k, v, causal=True, scale=None)
     kernels.layer_norm.layer_norm(x, weight=None, bias=None, eps=1e-5, formula="sqrt_var_eps")
     kernels.layer_norm.add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5, formula=...)
-and their torch definitions in kernels.reference (torch only: importing it never imports triton).
+    kernels.linear_cross_entropy.linear_cross_entropy(h, weight, targets, weights=None, bias=None, chunk=None)
+and their torch definitions in kernels.reference (torch only: importing it never imports triton),
+which also holds the chunked torch path of the loss, `chunked_linear_cross_entropy`.
 
 Importing this package imports nothing: triton is imported with the first kernel module, so that
 a program can still choose how Triton runs (its CPU interpreter, TRITON_INTERPRET=1) until then.
@@ -23,6 +25,7 @@ _ENTRY_POINTS = {
     "flash_attention": "kernels.flash_attention",
     "layer_norm": "kernels.layer_norm",
     "add_layer_norm": "kernels.layer_norm",
+    "linear_cross_entropy": "kernels.linear_cross_entropy",
 }
 __all__ = list(_ENTRY_POINTS)
 

@@ -1,5 +1,5 @@
 """Kernel benchmarks: `python -m kernels.bench [--smoke] [--dtype bf16|fp16|fp32] [--csv PATH]
-[--peak-gbps GB/S]`.
+[--peak-gbps GB/S]`; `python -m kernels.bench ce ...`: the linear cross-entropy (kernels/bench_ce.py).
 
 Prints the device and date, then one row per measurement: our kernel's time and throughput
 next to a baseline measured in the same run (F.layer_norm, torch SDPA), and their ratio.
@@ -365,6 +365,11 @@ def write_csv(rows: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["ce"]:  # the linear cross-entropy benchmark, its own command line
+        from kernels.bench_ce import main as bench_ce
+
+        return bench_ce(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (always on without CUDA)")
     parser.add_argument(

@@ -2,12 +2,14 @@
 
     python -m kernels.inspect [--arch 80,90] [--dtype bf16,fp16] [--json FILE] [--dump DIR]
                               [--head-dims 64,128,64/128] [--widths 768,1600] [--masks causal,full]
-                              [--loads auto,pointers] [--jobs N] [--update-table]
+                              [--loads auto,pointers] [--lce-widths 768,1600]
+                              [--lce-variants train,train-bias,eval] [--jobs N] [--update-table]
 
 For every kernel (attention forward, backward preprocess, dK/dV and dQ; layer-norm forward, forward
 with residual, backward, backward with the residual gradient, and the row sums of wide backward
-rows), every head-width case of the model family, every layer-norm width of the presets plus
-2048 ... 16384, and every autotune config the pruner keeps for the target, the kernel is
+rows; the fused linear cross-entropy's logits, log-sum-exp, dh and dW kernels), every head-width
+case of the model family, every layer-norm width of the presets plus 2048 ... 16384, GPT-2's
+hidden widths for the loss, and every autotune config the pruner keeps for the target, the kernel is
 compiled exactly as a launch would compile it on that GPU (the launchers' own `KernelLaunch`
 records, bound by Triton's JIT binder), and one row reports:
 
@@ -34,8 +36,11 @@ pruners' tables `kernels/targets/sm_XX.json` for the installed Triton.
 
 Shapes: attention at B = 2, H = 4, T = 1024 (GPT-2's context) in the model's layout (q, k, v
 are (B, T, H, d) projections viewed as (B, H, T, d)), softmax scale 1/sqrt(d_qk); layer norm over
-16384 rows with weight and bias, "sqrt_var_eps". Tensors live on the meta device: nothing is
-allocated, only shapes, strides and dtypes enter the compilation. Nothing here is a timing.
+16384 rows with weight and bias, "sqrt_var_eps"; the linear cross-entropy at GPT-2's vocabulary
+(V = 50,257) over 8192 tokens, one chunk of the launchers' default size, for training (with and
+without an unembedding bias) and for evaluation (no gradients: no logits stored). Tensors live on
+the meta device: nothing is allocated, only shapes, strides and dtypes enter the compilation.
+Nothing here is a timing.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ from kernels.launch import KernelLaunch  # noqa: E402
 # may be the public functions (see kernels/__init__.py).
 fa = importlib.import_module("kernels.flash_attention")
 ln = importlib.import_module("kernels.layer_norm")
+lce = importlib.import_module("kernels.linear_cross_entropy")
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Head widths of the model family: tiny (32), GPT-2 and the seeds (64), the powers of two around
@@ -89,10 +95,23 @@ MASKS = {"causal": True, "full": False}
 LOADS = ("auto", "pointers")
 ATTN_SHAPE = (2, 4, 1024)  # (B, H, T)
 LN_ROWS = 16384  # 16 sequences of 1024 tokens
+# Linear cross-entropy: GPT-2's vocabulary, 8192 tokens (8 sequences of 1024), the hidden widths of
+# gpt2_124m and gpt2_1558m; training with and without an unembedding bias, and evaluation.
+LCE_TOKENS = 8192
+LCE_VOCAB = 50257
+LCE_WIDTHS = (768, 1600)
+LCE_VARIANTS = {"train": (False, True), "train-bias": (True, True), "eval": (False, False)}  # (bias, grads)
+LCE_BLOCKS = {
+    "lce_fwd": ("BLOCK_M", "BLOCK_V", "BLOCK_K"),
+    "lce_lse": ("BLOCK_V",),
+    "lce_bwd_dh": ("BLOCK_M", "BLOCK_D", "BLOCK_V"),
+    "lce_bwd_dw": ("BLOCK_V", "BLOCK_D", "BLOCK_M"),
+}
 TUNED_KERNELS = tuple(fa.KERNEL_NAMES.values())
 KERNEL_ORDER = (
     "attn_fwd", "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq",
     "ln_fwd", "ln_fwd_residual", "ln_bwd_row_sums", "ln_bwd", "ln_bwd_residual",
+    "lce_fwd", "lce_lse", "lce_bwd_dh", "lce_bwd_dw",
 )  # fmt: skip
 # The forward loop compared with the Triton tutorial's fused attention (kernels/README.md).
 REFERENCE_LOOP = ("attn_fwd", "sm_90", "dqk128-dvo128-causal-tma", "128x128-w8-s2")
@@ -107,7 +126,7 @@ REFERENCE_LOOP = ("attn_fwd", "sm_90", "dqk128-dvo128-causal-tma", "128x128-w8-s
 class Case:
     """One shape of one kernel family on one target; rebuilt by every worker process."""
 
-    family: str  # "attn" or "ln"
+    family: str  # "attn", "ln" or "lce"
     arch: int  # 80 or 90
     dtype: str  # "bf16" or "fp16"
     d_qk: int = 0
@@ -116,6 +135,8 @@ class Case:
     tma: bool = True  # attention: let the launchers use TMA where the target has it
     width: int = 0
     residual: bool = False  # layer norm: the fused residual add (and its gradient)
+    bias: bool = False  # linear cross-entropy: an unembedding bias
+    grads: bool = True  # linear cross-entropy: gradients wanted (training) or not (evaluation)
 
 
 def attention_launches(case: Case) -> list[KernelLaunch]:
@@ -155,8 +176,29 @@ def layer_norm_launches(case: Case) -> list[KernelLaunch]:
     return [forward, *backward]
 
 
+def lce_launches(case: Case) -> list[KernelLaunch]:
+    """One chunk of the linear cross-entropy's launches over LCE_TOKENS tokens, at the launchers'
+    default chunk size and with the dh split they pick for the target's SM count."""
+    dtype = DTYPES[case.dtype]
+    d, v = case.width, LCE_VOCAB
+    meta = lambda shape, dt=dtype: torch.empty(shape, dtype=dt, device="meta")
+    c = lce.default_chunk(LCE_TOKENS, v)
+    h = meta((LCE_TOKENS, d))[:c]  # (C, D): the first chunk of the tokens
+    weight = meta((v, d))
+    bias = meta((v,)) if case.bias else None
+    buffers = lce.chunk_buffers(c, d, v, dtype, "meta", True, case.grads, aot.TARGETS[case.arch].sm_count)
+    dw = meta((v, d), torch.float32) if case.grads else None
+    db = meta((v,), torch.float32) if case.grads and case.bias else None
+    return lce.chunk_launches(
+        h, weight, bias, meta((c,), torch.int64), meta((c,), torch.float32), meta((c,), torch.float32),
+        buffers, dw, db, case.grads,
+    )  # fmt: skip
+
+
 def case_launches(case: Case) -> list[KernelLaunch]:
-    return attention_launches(case) if case.family == "attn" else layer_norm_launches(case)
+    if case.family == "attn":
+        return attention_launches(case)
+    return layer_norm_launches(case) if case.family == "ln" else lce_launches(case)
 
 
 def case_name(case: Case, launch: KernelLaunch) -> str:
@@ -166,11 +208,18 @@ def case_name(case: Case, launch: KernelLaunch) -> str:
     if case.family == "attn":
         loads = "tma" if any(launch.kwargs.get(f) for f in ("KV_TMA", "QDO_TMA")) else "ptr"
         return resource_tables.case_key(case.d_qk, case.d_vo, case.causal, loads)
+    if case.family == "lce":
+        variant = ("-bias" if case.bias else "") + ("" if case.grads else "-eval")
+        return f"d{case.width}-v{LCE_VOCAB}{variant}"
     return f"n{case.width}"
 
 
 def config_name(launch: KernelLaunch, config: triton.Config | None) -> str:
     kw = {**launch.kwargs, **(config.all_kwargs() if config is not None else {})}
+    if launch.name in LCE_BLOCKS:  # output rows x output columns x reduction step (lse: columns)
+        blocks = "x".join(str(kw[k]) for k in LCE_BLOCKS[launch.name])
+        stages = f"-s{kw['num_stages']}" if "num_stages" in kw else ""
+        return f"{blocks}-w{kw.get('num_warps', 4)}{stages}"
     if launch.name.startswith("attn_") and "BLOCK_N" in kw:
         return resource_tables.config_key(
             kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw.get("num_stages", 3)
@@ -232,8 +281,10 @@ def run_task(task: Task) -> dict:
             "causal": task.case.causal,
             "width": None,
         }
-    else:
+    elif task.case.family == "ln":
         row |= {"head_dim": None, "width": task.case.width, "residual": task.case.residual}
+    else:
+        row |= {"head_dim": None, "width": task.case.width, "bias": task.case.bias, "grads": task.case.grads}
     try:
         binary = aot.compile_for_target(launch.kernel, launch.args, launch.kwargs_for(config), target)
         analysis = aot.analyse(binary, target)
@@ -307,6 +358,10 @@ def build_cases(args: argparse.Namespace) -> list[Case]:
             for width in args.widths:
                 for residual in (False, True):
                     cases.append(Case("ln", arch, dtype, width=width, residual=residual))
+            for width in args.lce_widths:
+                for variant in args.lce_variants:
+                    bias, grads = LCE_VARIANTS[variant]
+                    cases.append(Case("lce", arch, dtype, width=width, bias=bias, grads=grads))
     return cases
 
 
@@ -524,7 +579,7 @@ def _int_list(text: str) -> list[int]:
 
 def _head_dims(text: str) -> list[tuple[int, int]]:
     dims = []
-    for item in text.split(","):
+    for item in filter(None, text.split(",")):  # "" selects no attention case
         d_qk, _, d_vo = item.partition("/")
         dims.append((int(d_qk), int(d_vo or d_qk)))
     return dims
@@ -543,6 +598,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="attention head widths, d or d_qk/d_vo, comma-separated (default: the model family's)",
     )
     parser.add_argument("--widths", type=_int_list, default=list(WIDTHS), help="layer-norm widths")
+    parser.add_argument(
+        "--lce-widths", type=_int_list, default=list(LCE_WIDTHS), help="linear cross-entropy hidden widths"
+    )
+    parser.add_argument(
+        "--lce-variants",
+        type=lambda s: s.split(","),
+        default=list(LCE_VARIANTS),
+        help="linear cross-entropy launches: train (gradients), train-bias (and a bias), eval (no gradients)",
+    )
     parser.add_argument(
         "--masks", type=lambda s: s.split(","), default=list(MASKS), help="causal,full (default)"
     )
@@ -574,6 +638,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for loads in args.loads:
         if loads not in LOADS:
             parser.error(f"--loads {loads}: choose from {', '.join(LOADS)}")
+    for variant in args.lce_variants:
+        if variant not in LCE_VARIANTS:
+            parser.error(f"--lce-variants {variant}: choose from {', '.join(LCE_VARIANTS)}")
     return args
 
 

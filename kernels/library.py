@@ -7,6 +7,8 @@ autograd.Function.
     layer_norm(x, weight, bias, eps, formula) -> y             lmsys::layer_norm_fwd / _bwd
     add_layer_norm(x, residual, weight, bias, eps, formula)    lmsys::add_layer_norm_fwd, _bwd
         -> (normed, summed)
+    linear_cross_entropy(h, weight, targets, weights, bias)    lmsys::linear_cross_entropy_fwd
+        -> loss      (its backward only scales the gradient sums the forward formed: plain torch)
 
 Each kernel is two ops, forward and backward: the forward returns what the backward needs (the
 attention's log-sum-exp, the norm's row statistics) as extra outputs, `register_autograd` saves
@@ -15,7 +17,7 @@ run on (CUDA, or CPU tensors under the Triton interpreter). Optional tensors are
 inputs; an absent gradient comes back as an empty tensor (a custom op's outputs cannot be None)
 and is turned into None here.
 
-To register another kernel (e.g. the fused linear cross-entropy): a forward op returning its
+To register another kernel: a forward op returning its
 saved tensors, a backward op, a fake for each (`_like` helpers below), `register_autograd` on
 the forward, and a public function that returns the forward's first output; then call it from
 lmsys/ops.py.
@@ -201,3 +203,79 @@ def add_layer_norm(
     """(LN(x + residual), x + residual) through the fused kernel's custom op."""
     normed, summed, _, _ = add_layer_norm_fwd(x, residual, weight, bias, eps, formula)
     return normed, summed
+
+
+# ----------------------------------------------------------------------------- linear cross-entropy
+
+
+@torch.library.custom_op(f"{NAMESPACE}::linear_cross_entropy_fwd", mutates_args=())
+def linear_cross_entropy_fwd(
+    h: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    weights: Tensor | None,
+    bias: Tensor | None,
+    need_h: bool,
+    need_w: bool,
+    need_b: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, S, G W, G^T h, 1^T G) for h (N, D): the fused kernel's forward, with the fp32
+    gradient sums it forms while the logits exist (empty where not needed)."""
+    from kernels.linear_cross_entropy import linear_cross_entropy_forward  # imports triton
+
+    loss, denominator, sums = linear_cross_entropy_forward(
+        h, weight, targets, weights, bias, needs=(need_h, need_w, need_b)
+    )
+    empty = h.new_empty(_EMPTY, dtype=torch.float32)
+    return (loss, denominator, *(s if s is not None else empty.clone() for s in sums))
+
+
+@linear_cross_entropy_fwd.register_fake
+def _(h, weight, targets, weights, bias, need_h, need_w, need_b):
+    f32 = torch.float32
+    scalar = h.new_empty((), dtype=f32)
+    dh = h.new_empty(h.shape if need_h else _EMPTY, dtype=f32)
+    dw = h.new_empty(weight.shape if need_w else _EMPTY, dtype=f32)
+    db = h.new_empty((weight.shape[0],) if need_b and bias is not None else _EMPTY, dtype=f32)
+    return scalar, scalar.clone(), dh, dw, db
+
+
+def _lce_setup(ctx, inputs, output) -> None:
+    h, weight, _, _, bias, need_h, need_w, need_b = inputs
+    _, denominator, dh, dw, db = output
+    ctx.save_for_backward(denominator, dh, dw, db)
+    ctx.needs = (need_h, need_w, need_b and bias is not None)
+    ctx.specs = tuple(
+        (t.shape, t.dtype) if t is not None and need else None
+        for t, need in zip((h, weight, bias), ctx.needs, strict=True)
+    )
+
+
+def _lce_backward(ctx, grad_loss, _ds, _ddh, _ddw, _ddb):
+    from kernels.reference import lce_scale_gradients  # torch only
+
+    denominator, *sums = ctx.saved_tensors
+    sums = tuple(s if need else None for s, need in zip(sums, ctx.needs, strict=True))
+    dh, dweight, dbias = lce_scale_gradients(grad_loss, denominator, sums, ctx.specs)
+    return dh, dweight, None, None, dbias, None, None, None
+
+
+linear_cross_entropy_fwd.register_autograd(_lce_backward, setup_context=_lce_setup)
+
+
+def linear_cross_entropy(
+    h: Tensor,  # (..., D)
+    weight: Tensor,  # (V, D)
+    targets: Tensor,  # (...)
+    weights: Tensor | None,  # (...)
+    bias: Tensor | None,  # (V,)
+) -> Tensor:  # 0-dim fp32
+    """The fused linear cross-entropy through its custom op (the gradient sums are formed in the
+    forward only for the inputs that need a gradient)."""
+    grad = torch.is_grad_enabled()
+    need = [grad and t is not None and t.requires_grad for t in (h, weight, bias)]
+    d = h.shape[-1]
+    flat_weights = weights.reshape(-1) if weights is not None else None
+    return linear_cross_entropy_fwd(h.reshape(-1, d), weight, targets.reshape(-1), flat_weights, bias, *need)[
+        0
+    ]

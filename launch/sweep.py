@@ -20,9 +20,12 @@ and writes summary.csv and losses.png into the sweep directory.
 
 Running the same command with the same --sweep-dir again skips the completed jobs and restarts
 the others (trainer.resume=auto continues each from its newest checkpoint): a sweep inside a
-requeued SLURM job picks up where it stopped. A job that fails stops the sweep (exit status of
-the job) unless --keep-going. Options other than those below (--nnodes, --rdzv-*, ...) go to
-launch/torchrun.py for every job.
+requeued SLURM job picks up where it stopped. SIGTERM, SIGUSR1 (preemption, a time limit) and
+SIGHUP are passed to the running job, which saves its step and stops; the sweep then records it
+as "preempted" and exits 75 (EXIT_REQUEUE), the status launch/slurm.sbatch requeues on (Ctrl-C:
+"interrupted", 130). A job that fails stops the sweep (exit status of the job) unless
+--keep-going. Options other than those below (--nnodes, --rdzv-*, ...) go to launch/torchrun.py
+for every job.
 
 Over several nodes: the same command on every node with the same --sweep-dir (shared filesystem);
 each job gets a rendezvous id of its own (`<id>-job<num>`: torchrun closes a rendezvous when its
@@ -48,7 +51,7 @@ if str(REPO_ROOT) not in sys.path:  # `python launch/sweep.py` as well as `pytho
 from launch.torchrun import Plan, make_plan  # noqa: E402
 from launch.torchrun import build_parser as launcher_parser  # noqa: E402
 from lmsys.cli import run_cli, warn  # noqa: E402
-from lmsys.errors import ConfigError, UsageError  # noqa: E402
+from lmsys.errors import EXIT_REQUEUE, ConfigError, Stopped, UsageError  # noqa: E402
 from lmsys.files import atomic_write_text  # noqa: E402
 from lmsys.sweep.multirun import SWEEP_FILE, check_jobs, expand_sweep, sweep_name  # noqa: E402
 from lmsys.sweep.summary import summarize  # noqa: E402
@@ -119,7 +122,9 @@ def _env() -> dict[str, str]:
 
 
 def run_job(command: list[str]) -> int:
-    """Run one job in the foreground; Ctrl-C / SIGTERM stop it and end the sweep."""
+    """Run one job in the foreground and return its exit status. SIGTERM, SIGUSR1 and SIGHUP are
+    passed to it (it saves its step and stops: Stopped when it exits 75); Ctrl-C, which the
+    terminal sends to the job as well, ends the sweep once the job has stopped (KeyboardInterrupt)."""
     proc = subprocess.Popen(command, env=_env())
     forwarded: list[int] = []
 
@@ -128,7 +133,7 @@ def run_job(command: list[str]) -> int:
         if proc.poll() is None:
             proc.send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)}
     try:
         while True:
             try:
@@ -139,6 +144,8 @@ def run_job(command: list[str]) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+    if code == EXIT_REQUEUE:
+        raise Stopped(f"the job exited {code}", code)
     if forwarded:
         raise KeyboardInterrupt
     return code
@@ -226,6 +233,11 @@ def _run_jobs(index: dict, commands: list[list[str]], keep_going: bool, save) ->
             t0 = time.perf_counter()
             try:
                 code = run_job(command)
+            except Stopped:
+                entry.update(
+                    status="preempted", returncode=EXIT_REQUEUE, seconds=round(time.perf_counter() - t0, 1)
+                )
+                raise
             except KeyboardInterrupt:
                 entry.update(status="interrupted", returncode=130, seconds=round(time.perf_counter() - t0, 1))
                 raise
@@ -240,6 +252,15 @@ def _run_jobs(index: dict, commands: list[list[str]], keep_going: bool, save) ->
                 exit_code = exit_code or code
                 if not keep_going:
                     break
+    except Stopped:
+        save()
+        print(
+            f"{PROG}: preempted: the running job saved its step; exit {EXIT_REQUEUE}: requeue, or run the "
+            "same command again, to finish the sweep",
+            file=sys.stderr,
+            flush=True,
+        )
+        exit_code = EXIT_REQUEUE
     except KeyboardInterrupt:
         save()
         print(

@@ -30,18 +30,28 @@ the whole group again, up to K times; with trainer.resume=auto (the default) the
 the newest complete checkpoint of the same run directory and go on from its step. Give
 trainer.run_dir explicitly for multi-node jobs (one directory on a shared filesystem).
 
+Stopping: SIGTERM, SIGUSR1 (a preemption, SLURM's time-limit warning) and SIGINT (Ctrl-C) to the
+launcher go to every worker, which finishes its optimizer step, saves a checkpoint of it and
+exits (lmsys/stopping.py); the workers get --shutdown-timeout seconds (default 300,
+$SHUTDOWN_TIMEOUT) before torchrun kills them. A repeated SIGTERM or SIGUSR1 does not cut that
+short; a second Ctrl-C does (the checkpoint being written is abandoned, never left half-visible).
+
 Workers get OMP_NUM_THREADS = cores / processes unless it is set. Exit status: 0; 2 for bad
-arguments or environment; 3 when the rendezvous fails (endpoint silent, nodes missing); otherwise
-that of the first worker that failed (128 + signal number when it was killed).
+arguments or environment; 3 when the rendezvous fails (endpoint silent, nodes missing); 75
+(EXIT_REQUEUE) when stopped by SIGTERM or SIGUSR1: requeue the job (or run it again) and
+trainer.resume=auto continues from the saved step; 130 after Ctrl-C; otherwise that of the first
+worker that failed (128 + signal number when it was killed).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -49,13 +59,14 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `python launch/torchrun.py` as well as `python -m launch.torchrun`
     sys.path.insert(0, str(REPO_ROOT))
 
 from lmsys.cli import run_cli  # noqa: E402  (after the path set-up above)
-from lmsys.errors import LmsysError  # noqa: E402
+from lmsys.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, ConfigError, LmsysError  # noqa: E402
 
 PROG = "lmsys-launch"
 DEFAULT_PORT = 29400
@@ -63,6 +74,9 @@ DEFAULT_TIMEOUT_S = 600.0
 CPU_NPROC = 2
 EXIT_USAGE = 2
 EXIT_RENDEZVOUS = 3
+DEFAULT_SHUTDOWN_TIMEOUT_S = 300
+# What torchrun passes to the workers; SIGUSR1 is SLURM's `--signal=USR1@<seconds>` warning.
+FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
 class LaunchError(LmsysError):
@@ -88,10 +102,16 @@ class Plan:
     timeout_s: float
     max_restarts: int
     module: str
+    shutdown_timeout_s: int = DEFAULT_SHUTDOWN_TIMEOUT_S  # the workers' time to save after a signal
 
     def torchrun_args(self, overrides: list[str]) -> list[str]:
         """torchrun's own command line (what `python -m torch.distributed.run` takes)."""
-        args = [f"--nproc-per-node={self.nproc}", f"--max-restarts={self.max_restarts}"]
+        args = [
+            f"--nproc-per-node={self.nproc}",
+            f"--max-restarts={self.max_restarts}",
+            f"--signals-to-handle={FORWARDED_SIGNALS}",
+            f"--shutdown-timeout={self.shutdown_timeout_s}",
+        ]
         if self.endpoint is None:
             args += ["--standalone", "--nnodes=1"]
         else:
@@ -137,6 +157,14 @@ def _first(*pairs: tuple[str, str | None]) -> tuple[str, str] | None:
         if value not in (None, ""):
             return name, value  # type: ignore[return-value]
     return None
+
+
+def _option_or_env(
+    value: int | None, option: str, env: Mapping[str, str], variable: str, minimum: int, default: int
+) -> int:
+    """An integer setting from its option, else its environment variable, else `default`."""
+    source = _first((option, None if value is None else str(value)), (variable, env.get(variable)))
+    return _int(source[1], source[0], minimum) if source else default
 
 
 def visible_gpus(env: Mapping[str, str]) -> int:
@@ -273,11 +301,10 @@ def make_plan(args: argparse.Namespace, env: Mapping[str, str]) -> Plan:
     timeout_s = float(args.rdzv_timeout)
     if timeout_s <= 0:
         raise LaunchError(f"--rdzv-timeout={args.rdzv_timeout} must be > 0")
-    restarts_src = _first(
-        ("--max-restarts", None if args.max_restarts is None else str(args.max_restarts)),
-        ("MAX_RESTARTS", env.get("MAX_RESTARTS")),
+    max_restarts = _option_or_env(args.max_restarts, "--max-restarts", env, "MAX_RESTARTS", 0, 0)
+    shutdown_s = _option_or_env(
+        args.shutdown_timeout, "--shutdown-timeout", env, "SHUTDOWN_TIMEOUT", 1, DEFAULT_SHUTDOWN_TIMEOUT_S
     )
-    max_restarts = _int(restarts_src[1], restarts_src[0], 0) if restarts_src else 0
 
     if endpoint_src is None:
         if nnodes > 1:
@@ -285,7 +312,9 @@ def make_plan(args: argparse.Namespace, env: Mapping[str, str]) -> Plan:
                 f"{nnodes} nodes need a rendezvous endpoint: --rdzv-endpoint host:port, RDZV_ENDPOINT, or "
                 "MASTER_ADDR and MASTER_PORT (the host of node 0)"
             )
-        return Plan(nproc, nproc_source, 1, 0, None, None, None, timeout_s, max_restarts, args.module)
+        return Plan(
+            nproc, nproc_source, 1, 0, None, None, None, timeout_s, max_restarts, args.module, shutdown_s
+        )
 
     host, port = parse_endpoint(endpoint_src[1], endpoint_src[0])
     endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -307,6 +336,7 @@ def make_plan(args: argparse.Namespace, env: Mapping[str, str]) -> Plan:
         timeout_s,
         max_restarts,
         args.module,
+        shutdown_s,
     )
 
 
@@ -396,19 +426,75 @@ def worker_threads(nproc: int) -> int:
 # ----------------------------------------------------------------------------- running torchrun
 
 
+def _patient_signals(elastic_api: Any) -> None:
+    """torchrun's agent stops (raises its SignalException, passes the signal to the workers and
+    waits for them) on the first signal; make it ignore repeats of SIGTERM / SIGUSR1 while the
+    workers save, which would otherwise cut their grace period short: a scheduler may signal a
+    job more than once (SLURM signals every process of a job step, and launch/slurm.sbatch passes
+    the signal on too). torchrun installs `_terminate_process_handler` for each signal it handles
+    when it starts the workers: it is replaced before that, and installed at once for the time
+    before (imports, rendezvous). A second Ctrl-C still stops at once."""
+    received: list[int] = []
+
+    def handler(signum: int, _frame: Any) -> None:
+        if received and signum in (signal.SIGTERM, signal.SIGUSR1):
+            return
+        received.append(signum)
+        sigval = signal.Signals(signum)
+        raise elastic_api.SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+
+    if hasattr(elastic_api, "_terminate_process_handler"):  # a private name of torch: checked
+        elastic_api._terminate_process_handler = handler
+    for name in FORWARDED_SIGNALS.split(","):
+        signal.signal(getattr(signal, name), handler)
+
+
+class _QuietShutdown(logging.Filter):
+    """torchrun logs every signal it passes on ("Received SIGTERM death signal, shutting down
+    workers", "Sending process N closing signal SIGTERM"): the workers say what happens, once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return "death signal" not in message and "closing signal" not in message
+
+
+def _stopped(code: int, by: str) -> int:
+    """The exit status of a launch stopped on request; the workers have said why in one line."""
+    if code not in (EXIT_REQUEUE, EXIT_INTERRUPTED):
+        print(f"{PROG}: stopped by {by}", file=sys.stderr, flush=True)
+    return code
+
+
 def check_training_config(overrides: list[str], world_size: int) -> None:
     """Compose lmsys.train's config and cut its batch for `world_size` ranks before any worker
-    starts: a mistake is then one line (ConfigError), not every rank's failure and torchrun's."""
-    # lmsys's config and batch arithmetic import Hydra and torch: only for lmsys.train launches.
+    starts: a mistake is then one line (ConfigError), not every rank's failure and torchrun's. A
+    batch that does not split is reported as the resume's when the run would resume a checkpoint
+    (its advice differs: a resumed run keeps its global batch)."""
+    # lmsys's config, batch arithmetic and checkpoint rule import Hydra and torch: only for
+    # lmsys.train launches.
+    from lmsys import checkpoint as ckpt
     from lmsys.config import compose
-    from lmsys.runtime import batch_plan
+    from lmsys.runtime import batch_plan, resume_batch_plan
 
-    batch_plan(compose(overrides), world_size)
+    cfg = compose(overrides)
+    try:
+        batch_plan(cfg, world_size)
+    except ConfigError:
+        t = cfg.trainer
+        target = t.run_dir if t.resume == "auto" else None if t.resume == "never" else t.resume
+        try:
+            found = ckpt.resolve(target, check_hashes=False) if target and Path(target).is_dir() else None
+        except LmsysError:  # nothing to resume there: the plain batch error stands
+            found = None
+        if found is None:
+            raise
+        resume_batch_plan(cfg, world_size, found.step)
 
 
 def run_torchrun(plan: Plan, overrides: list[str]) -> int:
     """torchrun in this process (its agent handles signals itself); the exit status to leave with."""
     # torch is imported only here: --help, --dry-run and every argument check answer without it.
+    from torch.distributed.elastic.multiprocessing import api as elastic_api
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import (
@@ -420,10 +506,15 @@ def run_torchrun(plan: Plan, overrides: list[str]) -> int:
     from torch.distributed.run import get_args_parser, run
 
     args = get_args_parser().parse_args(plan.torchrun_args(overrides))
+    for name in ("agent.server.api", "multiprocessing.api"):
+        logging.getLogger(f"torch.distributed.elastic.{name}").addFilter(_QuietShutdown())
     try:
+        _patient_signals(elastic_api)
         run(args)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
+        if failure.exitcode in (EXIT_REQUEUE, EXIT_INTERRUPTED):  # a worker stopped on a signal, saved
+            return _stopped(failure.exitcode, f"worker rank {rank}")
         if failure.exitcode < 0:
             how, code = f"was killed by signal {-failure.exitcode}", 128 - failure.exitcode
         else:
@@ -455,8 +546,11 @@ def run_torchrun(plan: Plan, overrides: list[str]) -> int:
     except RendezvousError as exc:
         raise LaunchError(f"rendezvous failed: {' '.join(str(exc).split())}", EXIT_RENDEZVOUS) from None
     except SignalException as exc:
-        print(f"{PROG}: stopped by signal {exc.sigval.name}", file=sys.stderr, flush=True)
-        return 128 + int(exc.sigval)
+        if exc.sigval in (signal.SIGTERM, signal.SIGUSR1):
+            return _stopped(EXIT_REQUEUE, exc.sigval.name)
+        if exc.sigval == signal.SIGINT:
+            return _stopped(EXIT_INTERRUPTED, exc.sigval.name)
+        return _stopped(128 + int(exc.sigval), f"signal {exc.sigval.name}")
     return 0
 
 
@@ -482,6 +576,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-restarts", type=int, help="torchrun elastic restarts of the worker group (default 0)"
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=int,
+        help="seconds the workers get to save after SIGTERM/SIGUSR1/SIGINT before they are killed "
+        f"(default: $SHUTDOWN_TIMEOUT or {DEFAULT_SHUTDOWN_TIMEOUT_S})",
     )
     parser.add_argument(
         "--module", default="lmsys.train", help="python module the workers run (default lmsys.train)"

@@ -22,12 +22,17 @@ be picked up half-written:
    its own rank_*.json), and all ranks meet at a barrier;
 2. rank 0 writes `lmsys_checkpoint.json` into it, fsyncs, and renames the directory to
    `step_0000100`;
-3. `latest` is replaced atomically last; old tags beyond trainer.keep_last are deleted.
+3. `latest` is replaced atomically last; then `prune`: the newest trainer.keep_last complete,
+   intact tags stay (and the one just written), older ones are deleted, and a damaged one (no
+   marker, a missing or truncated file) is moved into `checkpoints/damaged/`, never counted.
 
 Which checkpoint (`resolve`, `find_latest`): a checkpoint directory names itself, and must be
 complete and intact; a run directory or its checkpoints/ directory means its newest complete,
 intact `step_*`, every newer one that is not (no marker, a missing, truncated or altered file)
 reported and skipped. `latest` is not consulted: after a fall-back it may name a damaged tag.
+
+Resume (`load`) may change the world size, ZeRO stage and precision (lmsys.reshard), not the
+model or the tokenizer (`check_compatible`).
 """
 
 from __future__ import annotations
@@ -47,15 +52,17 @@ import torch
 import torch.distributed as dist
 
 from lmsys.config import ModelConfig, flatten_dict, model_config_from_dict
-from lmsys.engine import consolidated_state_dict
+from lmsys.engine import consolidated_state_dict, safe_torch_load
 from lmsys.errors import CheckpointError, ConfigError
 from lmsys.files import TMP_PREFIX, atomic_write_text, install_dir, sha256_file
+from lmsys.reshard import load_resharded
 from lmsys.rundir import CHECKPOINTS, read_metrics, run_dir_of
 from lmsys.tokenizer import TOKENIZER_FILES
 from lmsys.weights import model_state_dict
 
 MARKER = "lmsys_checkpoint.json"
 LATEST = "latest"
+DAMAGED = "damaged"  # where pruning and resume move damaged checkpoints
 FORMAT = "lmsys-checkpoint"
 FORMAT_VERSION = 1
 
@@ -159,9 +166,13 @@ def save(
     rank_state: dict[str, Any],
     rank: int,
     keep_last: int,
+    warn: Callable[[str], None] | None = None,
+    pause_s: float = 0.0,
 ) -> Path:
     """Save the checkpoint of `state.step` atomically (see the module docstring). Every rank calls
-    this. rank_state: JSON-able, this rank's own (loader position, RNG states). Returns the final
+    this. rank_state: JSON-able, this rank's own (loader position, RNG states). warn: reports
+    damaged checkpoints that pruning moves aside. pause_s: fault injection, a sleep while the
+    files are written but not committed (trainer.debug_save_delay_s). Returns the final
     checkpoint directory."""
     root = run_dir / CHECKPOINTS
     tag = tag_for(state.step)
@@ -174,14 +185,18 @@ def save(
     _barrier()
     engine.save_checkpoint(str(root), tag=tmp_tag, client_state={}, save_latest=False)
     atomic_write_text(tmp_dir / f"rank_{rank:05d}.json", json.dumps(rank_state))
+    if pause_s > 0:
+        time.sleep(pause_s)
     _barrier()
     if rank == 0:
-        commit(root, state.step, state, keep_last)
+        commit(root, state.step, state, keep_last, warn)
     _barrier()
     return final_dir
 
 
-def commit(root: Path, step: int, state: TrainState, keep_last: int) -> Path:
+def commit(
+    root: Path, step: int, state: TrainState, keep_last: int, warn: Callable[[str], None] | None = None
+) -> Path:
     """Rank 0, once every rank has written into `.tmp-<tag>`: write the marker (sizes and sha256
     of every file), rename the directory into place, move `latest`, prune old checkpoints."""
     tag = tag_for(step)
@@ -202,21 +217,55 @@ def commit(root: Path, step: int, state: TrainState, keep_last: int) -> Path:
     atomic_write_text(tmp_dir / MARKER, json.dumps(marker, indent=1))
     install_dir(tmp_dir, final_dir)  # replaces a damaged checkpoint of this step after a fall-back
     atomic_write_text(root / LATEST, tag)
-    prune(root, keep_last)
+    prune(root, keep_last, keep=(final_dir,), warn=warn)
     return final_dir
 
 
-def prune(root: Path, keep_last: int) -> None:
-    """Keep the newest `keep_last` complete checkpoints; drop older ones and stale temporaries
-    (directories and files)."""
-    complete = [(s, p) for s, p in list_checkpoints(root) if (p / MARKER).is_file()]
-    for _, path in complete[keep_last:]:
-        shutil.rmtree(path, ignore_errors=True)
+def prune(
+    root: Path, keep_last: int, keep: tuple[Path, ...] = (), warn: Callable[[str], None] | None = None
+) -> None:
+    """Keep the newest `keep_last` complete, intact checkpoints, and those in `keep` (the one just
+    committed); delete the older ones. A damaged one (no marker, a missing or truncated file)
+    counts for nothing and is moved aside into `damaged/`, reported through `warn`, never deleted.
+    Stale temporaries are dropped.
+
+    Pruning runs only after a newer checkpoint was committed, so the one a run resumed from stays
+    until a newer one is complete. It checks markers and sizes, not hashes: every file's sha256
+    was checked when it was written, and again by `find_latest` when a run resumes from it."""
+    kept = 0
+    for _, path in list_checkpoints(root):
+        try:
+            verify(path, check_hashes=False)
+        except CheckpointError as exc:
+            moved = move_aside(path)
+            if warn is not None:
+                warn(
+                    f"checkpoint {path.name} is damaged ({exc}); "
+                    f"moved it to {moved}, not counted in keep_last"
+                )
+            continue
+        if path in keep or kept < keep_last:
+            kept += 1
+        else:
+            shutil.rmtree(path, ignore_errors=True)
     for path in root.glob(f"{TMP_PREFIX}*"):  # what a killed writer left: a tag or `latest` half-written
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
+
+
+def move_aside(path: Path) -> Path:
+    """Move a damaged checkpoint tag into `damaged/` next to it (a free name), out of every
+    listing; returns where it went. For the user to inspect and delete."""
+    damaged = path.parent / DAMAGED
+    damaged.mkdir(exist_ok=True)
+    dest = damaged / path.name
+    n = 1
+    while dest.exists():
+        dest, n = damaged / f"{path.name}.{n}", n + 1
+    path.rename(dest)
+    return dest
 
 
 # ----------------------------------------------------------------------------- which checkpoint
@@ -285,26 +334,30 @@ def _open(tag_dir: Path, check_hashes: bool) -> Checkpoint:
     return Checkpoint(tag_dir, TrainState.from_dict(marker.get("state"), tag_dir), run_dir_of(tag_dir))
 
 
-def _newest_intact(run: Path, check_hashes: bool) -> tuple[Checkpoint | None, list[str]]:
+def _newest_intact(run: Path, check_hashes: bool) -> tuple[Checkpoint | None, list[tuple[Path, str]]]:
     """The newest complete, intact checkpoint under a run (or its checkpoints/ directory), and
-    why each newer one was passed over."""
+    each newer one that was passed over, with why."""
     root = run / CHECKPOINTS if (run / CHECKPOINTS).is_dir() else run
-    passed_over: list[str] = []
+    passed_over: list[tuple[Path, str]] = []
     for _, path in list_checkpoints(root):
         try:
             return _open(path, check_hashes), passed_over
         except CheckpointError as exc:
-            passed_over.append(f"checkpoint {path.name}: {exc}")
+            passed_over.append((path, f"checkpoint {path.name}: {exc}"))
     return None, passed_over
 
 
-def find_latest(run: Path, warn: Callable[[str], None], check_hashes: bool = True) -> Checkpoint | None:
+def find_latest(
+    run: Path, warn: Callable[[str], None], check_hashes: bool = True, damaged: list[Path] | None = None
+) -> Checkpoint | None:
     """The newest complete, intact checkpoint of a run directory (or of its checkpoints/
     directory), or None when it has none. Every newer checkpoint that is partial or damaged is
-    reported through `warn` and skipped."""
+    reported through `warn`, skipped, and appended to `damaged` (for `move_aside`)."""
     found, passed_over = _newest_intact(run, check_hashes)
-    for reason in passed_over:
+    for path, reason in passed_over:
         warn(f"skipping {reason}; falling back to the previous one")
+        if damaged is not None:
+            damaged.append(path)
     return found
 
 
@@ -320,13 +373,13 @@ def resolve(
         return _open(p, check_hashes)
     found, passed_over = _newest_intact(p, check_hashes)
     if found is None and passed_over:
-        raise CheckpointError(f"{p} holds no usable checkpoint: {passed_over[0]}")
+        raise CheckpointError(f"{p} holds no usable checkpoint: {passed_over[0][1]}")
     if found is None:
         raise CheckpointError(
             f"{p} is not a checkpoint: expected a run directory, its {CHECKPOINTS}/ directory, or a "
             f"checkpoint directory holding {MARKER}"
         )
-    for reason in passed_over:
+    for _, reason in passed_over:
         if warn is not None:
             warn(f"skipping {reason}; using {found.tag_dir.name}")
     return found
@@ -337,7 +390,7 @@ def resolve(
 
 # Model keys that choose an implementation, or the weights a run started from, not the
 # function: changing them on resume is fine.
-_RUNTIME_MODEL_KEYS = frozenset({"model.kernels", "model.init_from"})
+_RUNTIME_MODEL_KEYS = frozenset({"model.kernels", "model.loss_impl", "model.init_from"})
 
 
 def model_differences(
@@ -358,10 +411,10 @@ def model_differences(
     return ", ".join(diffs[:4]) + (f" and {len(diffs) - 4} more" if len(diffs) > 4 else "")
 
 
-def check_compatible(
-    state: TrainState, model_dict: dict[str, Any], tokenizer_sha256: str, world_size: int, stage: int
-) -> None:
-    """Refuse (CheckpointError) a resume whose model function, tokenizer or ZeRO layout differs."""
+def check_compatible(state: TrainState, model_dict: dict[str, Any], tokenizer_sha256: str) -> None:
+    """Refuse (CheckpointError) a resume whose model function or tokenizer differs. The world size,
+    ZeRO stage, precision and micro-batch size may change (`load` reshards); the global batch may
+    not (the batch plan and the loader refuse it)."""
     shown = model_differences(state.config.get("model"), model_dict, "checkpoint")
     if shown:
         raise CheckpointError(f"cannot resume: the model differs from the checkpoint's: {shown}")
@@ -370,26 +423,45 @@ def check_compatible(
             f"cannot resume: the data's tokenizer (sha256 {tokenizer_sha256[:12]}) differs from the "
             f"checkpoint's ({state.tokenizer_sha256[:12]}); use the data.dir it was trained on"
         )
-    saved_stage, saved_world = state.zero_stage, state.world_size
-    if (saved_stage, saved_world) != (stage, world_size) and not (saved_stage == 0 and stage == 0):
-        raise CheckpointError(
-            f"cannot resume: the checkpoint holds ZeRO stage {saved_stage} state of {saved_world} ranks, "
-            f"this run is stage {stage} on {world_size}; resume with deepspeed.stage={saved_stage} "
-            f"on {saved_world} processes"
+
+
+def same_layout(state: TrainState, world_size: int, stage: int, precision: str) -> bool:
+    """Whether this run's engine partitions the state exactly as the checkpoint's did."""
+    return (state.zero_stage, state.world_size, state.precision) == (stage, world_size, precision)
+
+
+def load(engine: Any, found: Checkpoint, world_size: int, stage: int, precision: str) -> None:
+    """Load module and optimizer state of a verified checkpoint into the engine (every rank).
+
+    The same ZeRO stage, world size and precision: DeepSpeed's own loader, each rank reading its
+    partition. Anything else: lmsys.reshard assembles each parameter's fp32 master weights and
+    Adam state from the saved partitions and copies this rank's slice into the engine. Both read
+    weights-only: a checkpoint never runs code."""
+    saved = found.state
+    if not same_layout(saved, world_size, stage, precision):
+        load_resharded(engine, found.tag_dir, saved.zero_stage, saved.world_size)
+        return
+    checkpoint_engine = engine.checkpoint_engine
+    checkpoint_engine.load = lambda path, map_location=None: safe_torch_load(path, map_location=map_location)
+    try:
+        load_path, _ = engine.load_checkpoint(
+            str(found.tag_dir.parent),
+            tag=found.tag_dir.name,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
         )
-
-
-def load(engine: Any, path: Path) -> None:
-    """Load module and optimizer state of a verified checkpoint into the engine (every rank)."""
-    load_path, _ = engine.load_checkpoint(
-        str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=False
-    )
+    finally:
+        del checkpoint_engine.load  # the instance attribute shadowed DeepSpeed's unpickling loader
     if load_path is None:
-        raise CheckpointError(f"DeepSpeed could not load checkpoint {path}")
+        raise CheckpointError(f"DeepSpeed could not load checkpoint {found.tag_dir}")
 
 
-def read_rank_state(path: Path, rank: int) -> dict[str, Any]:
-    return json.loads((path / f"rank_{rank:05d}.json").read_text(encoding="utf-8"))
+def read_rank_state(found: Checkpoint, rank: int, world_size: int) -> dict[str, Any]:
+    """The loader position and RNG states rank `rank` of `world_size` continues from: its own on
+    the same world size; rank 0's on another (checkpoints are taken between optimizer steps, where
+    every rank's loader holds the same stream position; the ranks' RNGs are seeded alike)."""
+    source = rank if world_size == found.state.world_size else 0
+    return json.loads((found.tag_dir / f"rank_{source:05d}.json").read_text(encoding="utf-8"))
 
 
 # ----------------------------------------------------------------------------- reading one back

@@ -36,6 +36,7 @@ NORM_FORMULAS = ("sqrt_var_eps", "std_plus_eps", "exact", "none")
 BLOCK_KINDS = ("none", "pre", "post", "parallel")
 SOFTMAX_KINDS = ("row", "matrix")
 KERNEL_CHOICES = ("auto", "triton", "torch")
+LOSS_IMPLS = ("auto", "fused", "chunked", "full")
 
 
 # ----------------------------------------------------------------------------- model
@@ -99,6 +100,11 @@ class ModelConfig:
     bos_shift_id: int = 0
     init_std: float = 0.02
     kernels: str = "auto"  # auto (Triton on CUDA, torch elsewhere) | triton | torch
+    # How Transformer.loss computes the same function from the last hidden states: fused (the Triton
+    # kernel), chunked (torch, a chunk of tokens at a time), neither materialising the (tokens, V)
+    # logits; full (logits, then cross-entropy); auto: fused where model.kernels runs Triton (CUDA
+    # by default), chunked elsewhere.
+    loss_impl: str = "auto"
     # An export directory whose weights start a training run (fine-tuning; lmsys.export.initial_model):
     # its model must compute the same function as this config. A resumed run ignores it.
     init_from: str | None = None
@@ -185,9 +191,11 @@ class TrainerConfig:
     micro_batch_size: int = 8  # sequences per rank per forward
     eval_interval: int = 200
     eval_batches: int = 0  # validation micro-batches per rank; 0: the whole validation split
-    save_interval: int = 500
-    keep_last: int = 3
-    resume: str = "auto"  # auto | never | <checkpoint dir or run dir: its newest intact checkpoint>
+    save_interval: int = 500  # also saved at the end, and after the step under way on SIGTERM/SIGUSR1/Ctrl-C
+    keep_last: int = 3  # complete, intact checkpoints kept (damaged ones are moved to checkpoints/damaged/)
+    # auto | never | <checkpoint dir or run dir: its newest intact checkpoint>; on any world size and
+    # ZeRO stage that splits the global batch
+    resume: str = "auto"
     max_nan_skips: int = 5
     device: str = "auto"  # auto | cpu | cuda
     progress: bool = True
@@ -196,10 +204,14 @@ class TrainerConfig:
     compile: str = "auto"
     dist_timeout_s: float = 600.0  # collective timeout: a dead or hung rank brings the job down
     # Fault injection for tests (leave empty in real runs): make the loss NaN at these steps,
-    # sleep this long after every step, make the last rank exit at this step on a first attempt.
+    # sleep this long after every step, make the last rank exit at this step on a first attempt,
+    # make the last rank send itself SIGTERM during this step (a preemption that reaches one rank),
+    # sleep this long inside every checkpoint save (before it is committed).
     debug_nan_steps: list[int] = field(default_factory=list)
     debug_step_delay_s: float = 0.0
     debug_crash_at_step: int = 0
+    debug_signal_at_step: int = 0
+    debug_save_delay_s: float = 0.0
 
 
 @dataclass
@@ -263,6 +275,7 @@ def validate_model(cfg: ModelConfig, prefix: str = "model") -> None:
     _one_of(f"{p}.block", cfg.block, BLOCK_KINDS)
     _one_of(f"{p}.attention.softmax", cfg.attention.softmax, SOFTMAX_KINDS)
     _one_of(f"{p}.kernels", cfg.kernels, KERNEL_CHOICES)
+    _one_of(f"{p}.loss_impl", cfg.loss_impl, LOSS_IMPLS)
     _require(cfg.positions.origin in (0, 1), f"{p}.positions.origin={cfg.positions.origin} must be 0 or 1")
     if cfg.positions.kind in ("sinusoidal", "fourier_T"):
         _require(

@@ -104,6 +104,16 @@ class Console:
         else:
             print(line, file=sys.stderr, flush=True)
 
+    def status(self, message: str, end: str = "\n") -> None:
+        """A line about the run as a whole (stopping on a signal) on stderr (rank 0), flushed at
+        once; `end=""` leaves it open, for the outcome of what it announces."""
+        if not self.active:
+            return
+        if self._bar is not None:
+            self._bar.write(message, file=sys.stderr, end=end)
+        else:
+            print(message, file=sys.stderr, end=end, flush=True)
+
     @contextmanager
     def progress(self, total: int, initial: int) -> Iterator[None]:
         """A progress bar over optimizer steps while the block runs (rank 0, trainer.progress)."""

@@ -170,7 +170,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            dims = len(p.ds_shape) if hasattr(p, "ds_shape") else p.dim()  # ZeRO-3: the unpartitioned shape
+            (decay if dims >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
@@ -395,7 +396,7 @@ def set_lr(engine: Any, lr: float) -> None:
         group["lr"] = lr
 
 
-def _innermost_optimizer(opt: Any) -> Any:
+def innermost_optimizer(opt: Any) -> Any:
     seen = 0
     while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "optimizer") and seen < 8:
         opt = opt.optimizer
@@ -411,7 +412,7 @@ def shard_stats(engine: Any) -> dict[str, int]:
     """What this rank holds: optimizer state (Adam moments, partitioned at ZeRO >= 1), the
     optimizer's fp32 master parameters, and the module's parameters (partitioned at ZeRO-3).
     Call after the first optimizer step (Adam creates its state lazily)."""
-    opt = _innermost_optimizer(engine.optimizer)
+    opt = innermost_optimizer(engine.optimizer)
     state_bytes = 0
     master_bytes = 0
     if isinstance(opt, torch.optim.Optimizer):

@@ -3,7 +3,8 @@
 Each raises a subclass of `LmsysError` whose message is one line naming the bad value and what
 would be valid. Commands catch `LmsysError` in one place (`lmsys.cli.run_cli`): the message goes
 to stderr as `<prog>: error: <message>` and the process exits with the error's `exit_code`, 2 for
-a mistake in the input, 1 for a run that failed on its own (too many NaN losses).
+a mistake in the input, 1 for a run that failed on its own (too many NaN losses). A run stopped
+by a signal after saving (`Stopped`) is no error: it exits EXIT_REQUEUE (75) or 130.
 
 This module imports nothing, so every layer (the light CLIs included) can raise these.
 """
@@ -42,3 +43,19 @@ class TrainingError(LmsysError, RuntimeError):
     """Training cannot go on (e.g. too many non-finite losses): the run failed, the input was fine."""
 
     exit_code = 1
+
+
+# The exit status of a run stopped by SIGTERM or SIGUSR1 (a preemption, a time limit) after it saved
+# a checkpoint of its last step: EX_TEMPFAIL of sysexits.h, "try again later". launch/torchrun.py,
+# launch/sweep.py and launch/slurm.sbatch pass it on; the SLURM script requeues the job on it.
+EXIT_REQUEUE = 75
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as lmsys.cli.run_cli reports it
+
+
+class Stopped(Exception):
+    """Not a failure: training stopped on a signal after saving a checkpoint of its last step.
+    `exit_code`: EXIT_REQUEUE after SIGTERM / SIGUSR1, EXIT_INTERRUPTED after Ctrl-C."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code

@@ -1,7 +1,7 @@
 """The transformer family of docs/SPEC.md: one configurable, single-device model.
 
-Read top to bottom: positions, attention, feed-forward, normalisation, blocks, the stack, the
-loss. Every option is a field of `ModelConfig`; the presets in conf/model/ pick the values that
+Read top to bottom: positions, attention, feed-forward, normalisation, blocks, the unembedding,
+the stack, the loss. Every option is a field of `ModelConfig`; the presets in conf/model/ pick the values that
 reproduce each seed document. The model never touches torch.distributed and never knows whether
 it is sharded: lmsys/engine.py wraps it from outside.
 
@@ -337,6 +337,37 @@ class Block(nn.Module):
         return x + self.attn(normed, cache, layer, key_mask) + self.ffn(normed)
 
 
+# ----------------------------------------------------------------------------- unembedding
+
+
+class Unembedding(nn.Linear):
+    """W_une (V, D) and its optional bias: hidden states (..., D) -> logits (..., V); or, given
+    targets, the loss of SPEC section 8 straight from the hidden states (`model.loss_impl`):
+    fused / chunked never materialise the (tokens, V) logits, full is logits then cross-entropy.
+
+    The loss is computed inside this module's forward, like the logits, so that DeepSpeed ZeRO-3
+    gathers the weight (the tied embedding included) around it and routes its gradient back to
+    the weight's partition. Its parameters are nn.Linear's: `unembed.weight`, `unembed.bias`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg.d_model, cfg.vocab_size, bias=cfg.unembed_bias)
+        self.loss_impl, self.kernels = cfg.loss_impl, cfg.kernels
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (B, S, D)
+        targets: torch.Tensor | None = None,  # (B, S)
+        weights: torch.Tensor | None = None,  # (B, S)
+    ) -> torch.Tensor:  # logits (B, S, V), or the 0-dim loss given targets
+        if targets is None:
+            return super().forward(x)
+        if self.loss_impl == "full":
+            return weighted_next_token_loss(super().forward(x), targets, weights)
+        return ops.linear_cross_entropy(
+            x, self.weight, targets, weights, self.bias, loss_impl=self.loss_impl, kernels=self.kernels
+        )
+
+
 # ----------------------------------------------------------------------------- the stack
 
 
@@ -361,7 +392,7 @@ class Transformer(nn.Module):
         self.positions = Positions(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.final_norm = Norm(cfg) if cfg.final_norm else None
-        self.unembed = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.unembed_bias)  # W_une^T: (V, D)
+        self.unembed = Unembedding(cfg)  # W_une^T: (V, D)
         if cfg.tied_embeddings:
             self.unembed.weight = self.tok_emb.weight  # W_une = W_emb^T
         self.reset_parameters()
@@ -412,6 +443,15 @@ class Transformer(nn.Module):
         its row (the cache remembers the earlier slots' mask), and attention hides the padding,
         so each row computes what it computes alone (up to float rounding: README, "Generation").
         Without a mask every token is real."""
+        return self.unembed(self.hidden_states(ids, cache, mask))  # (B, T, V)
+
+    def hidden_states(
+        self,
+        ids: torch.Tensor,  # (B, T) LongTensor
+        cache: KVCache | None = None,
+        mask: torch.Tensor | None = None,  # (B, T) bool: False at padding
+    ) -> torch.Tensor:  # (B, T, D)
+        """The last hidden states: everything `forward` does before the unembedding."""
         if ids.dim() != 2:
             raise ValueError(f"expected token ids of shape (B, T), got {tuple(ids.shape)}")
         start, t = (cache.length if cache is not None else 0), ids.shape[1]
@@ -431,13 +471,14 @@ class Transformer(nn.Module):
             x = self.final_norm(x)
         if cache is not None:
             cache.length = start + ids.shape[1]
-        return self.unembed(x)  # (B, T, V)
+        return x  # (B, T, D)
 
     def loss(self, tokens: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """Causal LM loss (SPEC section 8) on tokens (B, S) with loss weights (B, S) in [0, 1]:
-        the whole batch's weighted mean -sum(w logp) / sum(w) of the `next_token_pairs`."""
+        the whole batch's weighted mean -sum(w logp) / sum(w) of the `next_token_pairs`, computed
+        as model.loss_impl says (the same function; fused and chunked without the logits)."""
         inputs, targets, target_weights = next_token_pairs(self.cfg, tokens, weights)
-        return weighted_next_token_loss(self(inputs), targets, target_weights)
+        return self.unembed(self.hidden_states(inputs), targets, target_weights)
 
     # -- accounting ---------------------------------------------------------------------------
 

@@ -5,6 +5,8 @@
 how CI tests the wiring), "torch" forces the references. The kernels are called through their
 torch custom ops (kernels/library.py: `torch.ops.lmsys.*`), so torch.compile traces through
 them; the kernel modules are imported lazily so a CPU-only user never pays for a Triton import.
+The loss from hidden states follows `model.loss_impl` (`linear_cross_entropy`): the fused Triton
+kernel or the chunked torch path.
 
 Entry points call `prepare_kernels(kernels, device)` once, before anything imports triton: it
 selects the Triton CPU interpreter when "triton" is asked for without CUDA, so that a user never
@@ -21,7 +23,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import add_layer_norm_reference, layer_norm_reference
+from kernels.reference import add_layer_norm_reference, chunked_linear_cross_entropy, layer_norm_reference
 from lmsys.cli import warn
 from lmsys.errors import ConfigError
 
@@ -234,3 +236,74 @@ def add_layer_norm(
 
         return fused(x, residual, weight, bias, eps, formula)
     return add_layer_norm_reference(x, residual, weight, bias, eps, formula)
+
+
+# ----------------------------------------------------------------------------- the loss
+
+# The dtypes the fused kernel takes (float64 models use the chunked torch path under auto).
+_FUSED_LOSS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def loss_implementation(h: torch.Tensor, loss_impl: str, kernels: str) -> str:
+    """What `model.loss_impl` means for hidden states `h`: "fused", "chunked" or "full" as set, and
+    "auto" is fused where model.kernels runs Triton (CUDA tensors under "auto"), chunked elsewhere."""
+    if loss_impl != "auto":
+        return loss_impl
+    return "fused" if use_triton(h, kernels) and h.dtype in _FUSED_LOSS_DTYPES else "chunked"
+
+
+def linear_cross_entropy(
+    h: torch.Tensor,  # (..., D) last hidden states
+    weight: torch.Tensor,  # (V, D) unembedding (the tied embedding or its own matrix)
+    targets: torch.Tensor,  # (...) ids
+    weights: torch.Tensor | None,  # (...) loss weights
+    bias: torch.Tensor | None,  # (V,)
+    *,
+    loss_impl: str,
+    kernels: str = "auto",
+) -> torch.Tensor:  # 0-dim fp32 (float64 for a float64 model)
+    """-sum(w log softmax(h W^T + b)[t]) / sum(w) without the (tokens, V) logits: the Triton kernel
+    ("fused") or the chunked torch path ("chunked"); "full" is the model's own logits path."""
+    impl = loss_implementation(h, loss_impl, kernels)
+    if impl == "fused":
+        if not h.is_cuda:
+            _prepare_interpreted_loss(h, kernels)
+        # imports triton, so only when the kernel runs (the module docstring says why)
+        from kernels.library import linear_cross_entropy as fused  # its custom op (torch.compile)
+
+        return fused(h, weight, targets, weights, bias)
+    if impl != "chunked":
+        raise ValueError(f"ops.linear_cross_entropy computes the fused or chunked loss, not {impl!r}")
+    return chunked_linear_cross_entropy(h, weight, targets, weights, bias)
+
+
+def _prepare_interpreted_loss(h: torch.Tensor, kernels: str) -> None:
+    """The fused loss on a CPU tensor runs in the Triton interpreter: select it if triton is not
+    imported yet (as prepare_kernels does for model.kernels=triton), or say in one line why not."""
+    device = str(h.device)
+    if h.dtype == torch.bfloat16:
+        raise ConfigError(
+            f"model.loss_impl=fused with bf16 on {device}: the Triton CPU interpreter cannot multiply bf16; "
+            "use model.loss_impl=chunked there"
+        )
+    mode = _imported_triton_mode()
+    if mode == "compiled":
+        raise ConfigError(
+            f"model.loss_impl=fused on {device} needs the Triton CPU interpreter, but triton was already "
+            "imported in this process for compiled GPU kernels (DeepSpeed imports it); set "
+            "model.kernels=triton (lmsys then selects the interpreter first) or TRITON_INTERPRET=1 in the "
+            "environment, or use model.loss_impl=chunked"
+        )
+    if mode is None:
+        os.environ["TRITON_INTERPRET"] = "1"
+    if kernels != "triton":  # with model.kernels=triton, prepare_kernels has said it already
+        _warn_interpreted_loss(device)
+
+
+@functools.cache  # once per process and device
+def _warn_interpreted_loss(device: str) -> None:
+    warn(
+        "lmsys",
+        f"model.loss_impl=fused on {device} runs the Triton kernel in its CPU interpreter, a correctness "
+        "mode far slower than torch; model.loss_impl=auto uses the chunked torch path on the CPU",
+    )

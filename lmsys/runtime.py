@@ -158,3 +158,37 @@ def batch_plan(cfg: Config, world_size: int) -> BatchPlan:
         grad_accum=sequences // per_micro_step,
         global_batch_sequences=sequences,
     )
+
+
+def _one_of(numbers: list[int]) -> str:
+    words = [str(n) for n in numbers]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def resume_batch_plan(cfg: Config, world_size: int, step: int) -> BatchPlan:
+    """The batch plan of a run resuming the checkpoint of `step` on `world_size` ranks. A resumed
+    run keeps its global batch (the loader's saved position counts its sequences), but may change
+    the world size and the micro-batch size: ConfigError naming those that fit when they do not."""
+    try:
+        return batch_plan(cfg, world_size)
+    except ConfigError:
+        pass
+    t = cfg.trainer
+    sequences, micro = t.global_batch_tokens // cfg.data.seq_len, t.micro_batch_size
+    fits = []
+    if sequences % micro == 0:
+        worlds = _one_of(_divisors(sequences // micro))
+        fits.append(f"keep trainer.micro_batch_size={micro} on {worlds} ranks")
+    if sequences % world_size == 0:
+        micros = _one_of(_divisors(sequences // world_size))
+        fits.append(f"use trainer.micro_batch_size={micros} on {world_size} ranks")
+    raise ConfigError(
+        f"cannot resume step {step} on {world_size} ranks: its global batch of {sequences} sequences "
+        f"(trainer.global_batch_tokens={t.global_batch_tokens} / data.seq_len={cfg.data.seq_len}) "
+        f"does not split into micro-batches of {micro} on {world_size} ranks; "
+        f"{', or '.join(fits) or 'change the world size'} (a resumed run keeps trainer.global_batch_tokens)"
+    )

@@ -17,7 +17,9 @@ the engine, one optimizer step. Each micro-batch's loss is weighted by its share
 loss weights, so the gradient is that of the step's global weighted mean loss for any split into
 ranks and micro-batches. A step whose loss is NaN/inf is skipped (no update) with a warning, at
 most trainer.max_nan_skips times. Checkpoints: lmsys/checkpoint.py; trainer.resume=auto continues
-from the newest complete one.
+from the newest complete one, on any world size and ZeRO stage that splits the global batch
+(lmsys/reshard.py). SIGTERM / SIGUSR1 (preemption) and Ctrl-C stop the run after the step under
+way, with a checkpoint of it, every rank at the same step (lmsys/stopping.py): exit 75 or 130.
 
 Errors: a bad config, bad data or an incompatible checkpoint prints one line
 `lmsys-train: error: ...` and exits 2 before anything is written; a training failure (too many
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -47,21 +50,19 @@ from lmsys.compiling import compile_summary, say_first_compile
 from lmsys.config import CONF_DIR, Config, compose, config_to_dict, to_config
 from lmsys.console import Console, StepReport
 from lmsys.data import Batch, TokenLoader
-from lmsys.errors import ConfigError, LmsysError, TrainingError
+from lmsys.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, LmsysError, Stopped, TrainingError
 from lmsys.export import initial_model
 from lmsys.metrics import MetricsLogger, device_name, device_peak_flops, memory_gb, mfu
-from lmsys.model import Transformer, next_token_pairs, tokens_per_sample
-from lmsys.ops import prepare_kernels
+from lmsys.model import Transformer, next_token_pairs
 from lmsys.plots import plot_losses
+from lmsys.run_plan import RunPlan, agree_on_run, elastic_ids, open_data, schedule_horizon, start_processes
 from lmsys.runtime import (
     Setup,
     batch_plan,
-    env_dist_info,
-    resolve_device,
-    resolve_precision,
     seed_everything,
 )
 from lmsys.shards import PreparedData
+from lmsys.stopping import StopRequest
 from lmsys.sweep.multirun import (
     check_multirun,
     in_multirun,
@@ -74,95 +75,6 @@ from lmsys.train_help import usage
 PROG = "lmsys-train"
 
 
-# ----------------------------------------------------------------------------- setup
-
-
-def _elastic_ids() -> tuple[str | None, int]:
-    return os.environ.get("TORCHELASTIC_RUN_ID"), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def open_data(cfg: Config) -> PreparedData:
-    """The prepared data, refused (DataError) when it does not fit the model or the sequence length."""
-    data = PreparedData(cfg.data.dir)
-    data.check_model(cfg.model)
-    data.check_sequences(tokens_per_sample(cfg.model, cfg.data.seq_len))
-    return data
-
-
-def resolve_setup(cfg: Config) -> Setup:
-    """Device, kernels and precision, then the process group and the batch plan for its size."""
-    t = cfg.trainer
-    device = resolve_device(t.device, env_dist_info().local_rank, key="trainer.device")
-    prepare_kernels(cfg.model.kernels, device)  # before anything imports triton (DeepSpeed does)
-    precision = resolve_precision(cfg.deepspeed.precision, device)
-    eng.init_distributed(device, t.dist_timeout_s)
-    world = dist.get_world_size()
-    return Setup(device, precision, dist.get_rank(), world, batch_plan(cfg, world))
-
-
-@dataclass
-class RunPlan:
-    run_dir: Path
-    resume: ckpt.Checkpoint | None  # the checkpoint to continue from
-
-
-def plan_run(cfg: Config, tokenizer_sha256: str, world_size: int, warn: Callable[[str], None]) -> RunPlan:
-    """Rank 0, read-only: where the run lives and what it resumes from. Raises user errors."""
-    t = cfg.trainer
-    if t.run_dir:
-        run_dir = Path(t.run_dir)
-        if run_dir.exists() and not run_dir.is_dir():
-            raise ConfigError(f"trainer.run_dir={t.run_dir} exists and is not a directory")
-    else:  # after a torchrun restart: the directory of the job's first attempt
-        run_id, restarts = _elastic_ids()
-        restarted = rundir.find_restarted_run(cfg.model.name, run_id) if run_id and restarts else None
-        run_dir = restarted or rundir.new_run_dir(cfg.model.name)
-    found = None
-    if t.resume == "auto":
-        found = ckpt.find_latest(run_dir, warn) if run_dir.exists() else None
-    elif t.resume == "never":
-        if ckpt.list_checkpoints(run_dir / rundir.CHECKPOINTS):
-            raise ConfigError(
-                f"trainer.run_dir={run_dir} already holds checkpoints and trainer.resume=never; "
-                "use trainer.resume=auto to continue it or choose another trainer.run_dir"
-            )
-    elif not Path(t.resume).is_dir():
-        raise ConfigError(f"trainer.resume={t.resume} is not a checkpoint directory (nor a run directory)")
-    else:
-        found = ckpt.resolve(t.resume, warn)  # a checkpoint directory, or a run's newest intact one
-    if found is not None:
-        model_dict = config_to_dict(cfg)["model"]
-        ckpt.check_compatible(found.state, model_dict, tokenizer_sha256, world_size, cfg.deepspeed.stage)
-    return RunPlan(run_dir, found)
-
-
-def agree_on_run(cfg: Config, setup: Setup, tokenizer_sha256: str, console: Console) -> RunPlan:
-    """Rank 0 plans the run and every rank receives the same plan, or raises the same error."""
-    box: list[RunPlan | LmsysError | None] = [None]
-    if setup.rank == 0:
-        try:
-            box[0] = plan_run(cfg, tokenizer_sha256, setup.world_size, console.warn)
-        except LmsysError as exc:
-            box[0] = exc
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], LmsysError):
-        raise box[0]
-    assert box[0] is not None
-    return box[0]
-
-
-def schedule_horizon(cfg: Config, resume: ckpt.Checkpoint | None) -> int:
-    """The step where the learning rate's cosine ends: optim.decay_steps when set, else the
-    horizon the resumed run was trained with (so raising trainer.max_steps extends the run
-    without changing the learning rates it already had), else trainer.max_steps."""
-    if cfg.optim.decay_steps:
-        return cfg.optim.decay_steps
-    if resume is not None:
-        saved = resume.state.config
-        return int(saved.get("optim", {}).get("decay_steps") or saved["trainer"]["max_steps"])
-    return cfg.trainer.max_steps
-
-
 # ----------------------------------------------------------------------------- the trainer
 
 
@@ -173,6 +85,7 @@ class StepResult:
     lr: float
     outcome: eng.StepOutcome
     seconds: float
+    stop: str | None = None  # "preempted" | "interrupted": a rank was signalled to stop after this step
 
 
 class Trainer:
@@ -215,7 +128,8 @@ class Trainer:
             wandb_id=None,
             config=config_to_dict(cfg),
         )
-        self.resumed = run.resume
+        self.resumed, self.damaged = run.resume, run.damaged
+        self.stop = StopRequest()  # train() installs its signal handlers
         if run.resume is not None:
             self._resume(run.resume)
         self.start_step = self.state.step
@@ -237,8 +151,9 @@ class Trainer:
         return Transformer(self.cfg.model)
 
     def _resume(self, found: ckpt.Checkpoint) -> None:
-        ckpt.load(self.engine, found.tag_dir)
-        rank_state = ckpt.read_rank_state(found.tag_dir, self.setup.rank)
+        setup, stage = self.setup, self.cfg.deepspeed.stage
+        ckpt.load(self.engine, found, setup.world_size, stage, setup.precision)
+        rank_state = ckpt.read_rank_state(found, setup.rank, setup.world_size)
         self.loader.load_state_dict(rank_state["loader"])
         ckpt.set_rng_state(rank_state["rng"])
         saved = found.state
@@ -250,7 +165,13 @@ class Trainer:
             last_loss=saved.last_loss,
             wandb_id=saved.wandb_id,
         )
-        self.console.say(f"{PROG}: resumed from {found.tag_dir} (step {saved.step})")
+        how = ""
+        if not ckpt.same_layout(saved, setup.world_size, stage, setup.precision):
+            how = (
+                f"; resharded from ZeRO-{saved.zero_stage} on {saved.world_size} rank(s), {saved.precision}, "
+                f"to ZeRO-{stage} on {setup.world_size}, {setup.precision}"
+            )
+        self.console.say(f"{PROG}: resumed from {found.tag_dir} (step {saved.step}{how})")
         self._say_extension(saved)
 
     def _say_extension(self, saved: ckpt.TrainState) -> None:
@@ -277,7 +198,7 @@ class Trainer:
         (a refused resume leaves it as it was): run files, the metrics logger, the banner."""
         cfg, setup = self.cfg, self.setup
         if setup.rank == 0:
-            run_id, restarts = _elastic_ids()
+            run_id, restarts = elastic_ids()
             launch = {
                 "resumed_from": str(self.resumed.tag_dir) if self.resumed else None,
                 "init_from": str(Path(cfg.model.init_from).resolve())
@@ -287,6 +208,9 @@ class Trainer:
                 "world_size": setup.world_size,
                 "device": str(setup.device),
             }
+            for path in self.damaged:  # found by the resume; kept for inspection, out of every listing
+                moved = ckpt.move_aside(path)
+                self.console.warn(f"moved the damaged checkpoint {path.name} to {moved}")
             config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
             rundir.record_launch(self.run_dir, config_yaml, launch, run_id)
             rundir.write_json(self.run_dir, rundir.DEEPSPEED_FILE, self.ds_json)
@@ -357,6 +281,8 @@ class Trainer:
         loss). Returns the step's global weighted mean loss."""
         start = time.perf_counter()
         engine, plan, device = self.engine, self.setup.plan, self.setup.device
+        if step == self.cfg.trainer.debug_signal_at_step and self.setup.rank == self.setup.world_size - 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # fault injection: a preemption that reaches one rank
         lr = eng.lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
         eng.set_lr(engine, lr)
         loader_step = self.loader.step
@@ -364,24 +290,27 @@ class Trainer:
         weights = [self._prediction_weight(b) for b in batches]
         global_weight = self._global_weight(weights, loader_step)
         micro_batches = plan.grad_accum * self.setup.world_size
-        weighted_loss = torch.zeros(1, dtype=torch.float64, device=device)
+        totals = torch.zeros(3, dtype=torch.float64, device=device)  # (weighted loss, preempt, interrupt)
         for i, batch in enumerate(batches):
             loss = engine(
                 batch.tokens.to(device, non_blocking=True), batch.weights.to(device, non_blocking=True)
             )
             if i == 0 and step in self.cfg.trainer.debug_nan_steps:
                 loss = loss * float("nan")  # fault injection
-            weighted_loss += loss.detach().double() * weights[i]
+            totals[0] += loss.detach().double() * weights[i]
             # DeepSpeed averages the micro-batch gradients of all ranks: scaling each by its share
             # of the step's weights times their count makes that average the weighted mean's.
             scale = weights[i] * micro_batches / global_weight if global_weight > 0 else 0.0
             engine.backward(loss if scale == 1.0 else loss * scale)
             if i < plan.grad_accum - 1:
                 engine.step()  # not a boundary: DeepSpeed only counts the micro-step
-        dist.all_reduce(weighted_loss)
-        step_loss = weighted_loss.item() / global_weight if global_weight > 0 else 0.0
+        totals[1], totals[2] = self.stop.flags()  # read as late as possible; summed over the ranks
+        dist.all_reduce(totals)
+        weighted_loss, preempt, interrupt = totals.tolist()
+        step_loss = weighted_loss / global_weight if global_weight > 0 else 0.0
         outcome = eng.optimizer_step(engine, math.isfinite(step_loss))
-        return StepResult(step, step_loss, lr, outcome, time.perf_counter() - start)
+        stop = "interrupted" if interrupt else "preempted" if preempt else None
+        return StepResult(step, step_loss, lr, outcome, time.perf_counter() - start, stop)
 
     # -- around the step ------------------------------------------------------------------------
 
@@ -486,20 +415,31 @@ class Trainer:
             self.logger.log("eval", step, {"loss": self.last_val, "ppl": math.exp(min(self.last_val, 80.0))})
         self.console.eval_done(step, train_loss, self.last_val, self.val_coverage())
 
-    def save(self) -> None:
+    def save(self, announce: bool = True) -> Path:
+        t = self.cfg.trainer
         rank_state = {"loader": self.loader.state_dict(), "rng": ckpt.rng_state()}
-        keep_last = self.cfg.trainer.keep_last
         start = time.perf_counter()
-        path = ckpt.save(self.engine, self.run_dir, self.state, rank_state, self.setup.rank, keep_last)
+        saved = ckpt.save(
+            self.engine,
+            self.run_dir,
+            self.state,
+            rank_state,
+            self.setup.rank,
+            t.keep_last,
+            warn=self.console.warn,
+            pause_s=t.debug_save_delay_s,
+        )
         self.saved_step = self.state.step
-        self.console.say(f"{PROG}: saved checkpoint {path} ({time.perf_counter() - start:.1f} s)")
+        if announce:
+            self.console.say(f"{PROG}: saved checkpoint {saved} ({time.perf_counter() - start:.1f} s)")
+        return saved
 
     def _debug_faults(self, step: int) -> None:
         """trainer.debug_*: slow every step down, or make the last rank die (first attempt only)."""
         t = self.cfg.trainer
         if t.debug_step_delay_s > 0:
             time.sleep(t.debug_step_delay_s)
-        _, restarts = _elastic_ids()
+        _, restarts = elastic_ids()
         if t.debug_crash_at_step == step and self.setup.rank == self.setup.world_size - 1 and restarts == 0:
             print(
                 f"{PROG}: debug: rank {self.setup.rank} exits at step {step} (trainer.debug_crash_at_step)",
@@ -512,10 +452,14 @@ class Trainer:
     def fit(self, step_hook: Callable[[int], None] | None = None) -> None:
         """Every step from the checkpoint's to trainer.max_steps, evaluating and saving on their
         intervals and at the end. step_hook(step) runs after each step's logging, evaluation and
-        checkpoint (lmsys.bench train interleaves a plain loop's steps with lmsys's through it)."""
+        checkpoint (lmsys.bench train interleaves a plain loop's steps with lmsys's through it).
+        A stop request (`StopRequest`) ends the run after the step every rank learns of it in:
+        `_stop` saves that step and raises Stopped."""
         t = self.cfg.trainer
         started = time.perf_counter()
         self.engine.train()
+        stop: str | None = None
+        self.stop.armed = True
         try:
             with self.console.progress(total=t.max_steps, initial=self.start_step):
                 for step in range(self.start_step + 1, t.max_steps + 1):
@@ -527,17 +471,47 @@ class Trainer:
                         self.evaluate_and_log(step, result.loss)
                     if step % t.save_interval == 0 or step == t.max_steps:
                         self.save()
+                    if result.stop is not None and step < t.max_steps:
+                        stop = result.stop
+                        break
                     if step_hook is not None:
                         step_hook(step)
                     self._debug_faults(step)
+            if stop is not None:
+                self._stop(stop)
             if self.saved_step != t.max_steps and self.start_step < t.max_steps:
                 self.save()
-        except BaseException:
+        except BaseException as exc:
             if self.logger is not None:
-                self.logger.close(exit_code=1)
+                self.logger.close(exit_code=exc.exit_code if isinstance(exc, Stopped) else 1)
                 self.logger = None
             raise
         self._finish(time.perf_counter() - started)
+
+    def _stop(self, why: str) -> None:
+        """Save the step every rank has just finished (unless its periodic save did), say so in
+        one line, and raise Stopped with the exit status for the launcher."""
+        step = self.state.step
+        if why == "interrupted":
+            head, code, then = "interrupted", EXIT_INTERRUPTED, "trainer.resume=auto continues"
+        else:
+            head, code = f"preempted ({self.stop.name() or 'a signal to another rank'})", EXIT_REQUEUE
+            then = f"exit {EXIT_REQUEUE}: requeue, or run again with trainer.resume=auto, to continue"
+        self.console.status(f"{PROG}: {head}: saving step {step} ...", end="")
+        try:
+            path = self.run_dir / rundir.CHECKPOINTS / ckpt.tag_for(step)
+            if self.saved_step != step:
+                path = self.save(announce=False)  # the stop line says it
+        except BaseException:
+            self.console.status(" not saved")
+            raise
+        self.console.status(f" saved {path}; {then}")
+        if self.logger is not None:
+            self.logger.close(exit_code=code)
+            self.logger = None
+            plot_losses(self.run_dir)
+        dist.barrier()  # leave together: a launcher stops the other ranks when the first one exits
+        raise Stopped(f"stopped after step {step}", code)
 
     def _finish(self, elapsed: float) -> None:
         t = self.cfg.trainer
@@ -578,18 +552,26 @@ def train(cfg: Config, step_hook: Callable[[int], None] | None = None) -> Path:
     """Train according to `cfg` (validated). Every rank calls this. Returns the run directory.
 
     step_hook(step), if given, runs at the end of every step (see `Trainer.fit`)."""
-    data = open_data(cfg)  # every mistake in the data is reported before the process group forms
-    rank = int(os.environ.get("RANK", "0"))  # torchrun's; the process group forms in resolve_setup
-    console = Console(PROG, rank, cfg.trainer.progress, cfg.logger.console_interval)
-    console.say(
-        f"{PROG}: starting: process group, model, DeepSpeed engine (a first run on a machine also "
-        "builds DeepSpeed's ops: a minute or two)"
-    )
-    setup = resolve_setup(cfg)
-    run = agree_on_run(cfg, setup, data.tokenizer_sha256, console)
-    trainer = Trainer(cfg, setup, data, run, console)
-    trainer.open_run_dir()
-    trainer.fit(step_hook)
+    stop = StopRequest()  # from now on SIGTERM / SIGUSR1 stop the run after a step, with a checkpoint
+    stop.install()
+    try:
+        data = open_data(cfg)  # every mistake in the data is reported before the process group forms
+        rank = int(os.environ.get("RANK", "0"))  # torchrun's; the process group forms below
+        console = Console(PROG, rank, cfg.trainer.progress, cfg.logger.console_interval)
+        console.say(
+            f"{PROG}: starting: process group, model, DeepSpeed engine (a first run on a machine also "
+            "builds DeepSpeed's ops: a minute or two)"
+        )
+        device, precision = start_processes(cfg)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        run = agree_on_run(cfg, rank, world, data.tokenizer_sha256, console)  # a resume's batch check first
+        setup = Setup(device, precision, rank, world, batch_plan(cfg, world))
+        trainer = Trainer(cfg, setup, data, run, console)
+        trainer.stop = stop
+        trainer.open_run_dir()
+        trainer.fit(step_hook)
+    finally:
+        stop.restore()
     return run.run_dir
 
 
@@ -607,6 +589,8 @@ def _hydra_task(dcfg: DictConfig) -> None:
         print(f"{PROG}: {header}", flush=True)
     try:
         train(to_config(dcfg))
+    except Stopped as stop:
+        sys.exit(stop.exit_code)  # SystemExit passes through Hydra: the sweep stops here, to be resumed
     except LmsysError as exc:
         report_error(PROG, exc)
         if in_multirun():
@@ -652,6 +636,8 @@ def main(argv: list[str] | None = None) -> int:
     def plain_run() -> int:
         try:
             train(compose(argv))  # composed once, here: a mistake is one line
+        except Stopped as stop:  # saved after a signal: already said in one line
+            return stop.exit_code
         finally:
             eng.close_distributed()
         return 0

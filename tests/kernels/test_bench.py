@@ -206,3 +206,41 @@ def test_gpt2_targets_read_the_right_rows():
 def test_gpt2_targets_without_verdicts_or_rows():
     lines = _gpt2_lines([], verdicts=False)
     assert all("n/a" in line and "met" not in line for line in lines.values())
+
+
+def test_bench_ce_runs_each_variant_in_its_own_process():
+    """`python -m kernels.bench ce` at small shapes: full and chunked (fused too on CUDA) give the
+    same loss, each with its peak memory, time and ratios against full, and the target line."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kernels.bench",
+            "ce",
+            "--n",
+            "700",
+            "--d",
+            "48",
+            "--v",
+            "3001",
+            "--repeat",
+            "1",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {
+        line.split()[0]: line.split()
+        for line in proc.stdout.splitlines()
+        if line.split()[:1] in (["full"], ["chunked"], ["fused"])
+    }
+    expected = {"full", "chunked", "fused"} if torch.cuda.is_available() else {"full", "chunked"}
+    assert set(rows) == expected, proc.stdout
+    losses = {name: float(row[3]) for name, row in rows.items()}
+    assert len(set(losses.values())) == 1, losses  # the same loss, to the 4 decimals printed
+    assert rows["full"][4:] == ["1.0x", "1.00x"]
+    assert float(rows["chunked"][1]) > 0  # a measured peak above the inputs
+    assert "target (" in proc.stdout and "less peak memory" in proc.stdout

@@ -34,14 +34,16 @@ TUTORIAL_LOOP_INSTRUCTIONS = 523
 
 # The CI subset of the issue: every kernel, head dims 64 and 128, widths 768, 1600 and 8192 (plus
 # 16384, the only width that runs the backward's row-sums kernel), both targets, both masks, the
-# load path each target takes.
+# load path each target takes; the linear cross-entropy's training launches at gpt2_124m's shape.
 SUBSET_ARGS = [
     "--arch", "80,90", "--dtype", "bf16", "--head-dims", "64,128", "--masks", "causal,full",
-    "--loads", "auto", "--widths", "768,1600,8192,16384",
+    "--loads", "auto", "--widths", "768,1600,8192,16384", "--lce-widths", "768", "--lce-variants", "train",
 ]  # fmt: skip
+LCE_GEMMS = {"lce_fwd", "lce_bwd_dh", "lce_bwd_dw"}
 ALL_KERNELS = {
     "attn_fwd", "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq",
     "ln_fwd", "ln_fwd_residual", "ln_bwd", "ln_bwd_residual", "ln_bwd_row_sums",
+    "lce_lse", *LCE_GEMMS,
 }  # fmt: skip
 
 
@@ -120,6 +122,20 @@ def test_target_paths_in_the_sass(subset):
                 assert r["mma"] == "wgmma", r
         else:
             assert not r["tma"] and "cp.async" in r["load_paths"] and r["mma"] == "mma.sync", r
+
+
+def test_linear_cross_entropy_gemms_use_the_tensor_cores(subset):
+    """The loss's three GEMM kernels multiply with wgmma on sm_90 and mma.sync on sm_80; the
+    log-sum-exp pass is a plain memory-bound row kernel."""
+    _, rows = subset
+    lce = [r for r in rows if r["kernel"].startswith("lce_")]
+    assert {r["case"] for r in lce} == {"d768-v50257"}
+    for r in lce:
+        if r["kernel"] in LCE_GEMMS:
+            assert r["mma"] == ("wgmma" if r["arch"] == "sm_90" else "mma.sync"), r
+            assert r["loop_instructions"], r  # the main loop over the reduction was found
+        else:
+            assert r["mma"] == "none", r
 
 
 def test_forward_loop_at_or_below_the_tutorial(subset):

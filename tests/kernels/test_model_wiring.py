@@ -26,6 +26,7 @@ KERNEL_MODULES = {  # lmsys.ops calls the kernels through their custom ops
     "flash_attention": "kernels.library",
     "layer_norm": "kernels.library",
     "add_layer_norm": "kernels.library",
+    "linear_cross_entropy": "kernels.library",
 }
 
 SMALL = ["vocab_size=37", "d_model=32", "n_heads=2", "n_layers=2", "max_seq_len=24", "ffn.d_ff=48"]
@@ -84,8 +85,10 @@ def test_triton_model_equals_torch_model(preset: str, monkeypatch: pytest.Monkey
     loss_ref = reference.loss(tokens, weights)
     assert not calls, f"kernels=torch ran Triton kernels: {dict(calls)}"
     loss_fused = fused.loss(tokens, weights)
-    # Every layer's attention, and every norm where the preset has one, went through Triton.
+    # Every layer's attention, every norm where the preset has one, and the loss (model.loss_impl
+    # auto: fused where model.kernels runs Triton) went through Triton.
     assert calls["flash_attention"] == fused.cfg.n_layers, dict(calls)
+    assert calls["linear_cross_entropy"] == 1, dict(calls)
     if fused.cfg.norm.formula != "none":
         assert calls["layer_norm"] + calls["add_layer_norm"] > 0, dict(calls)
     loss_ref.backward()
@@ -239,3 +242,67 @@ def test_prepare_kernels_in_this_session():
         assert ops._imported_triton_mode() == "compiled"
         with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
             ops.prepare_kernels("triton", "cpu")
+
+
+# ----------------------------------------------------------------------------- model.loss_impl=fused
+# On a CPU the fused loss runs in the Triton interpreter: chosen by itself when triton is not
+# imported yet, one clear error when it was imported for compiled kernels first.
+
+_FUSED_LOSS = """
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(9, 16, generator=g), torch.randn(23, 16, generator=g)
+    t = torch.randint(0, 23, (9,), generator=g)
+    try:
+        got = ops.linear_cross_entropy(h, w, t, None, None, loss_impl="fused")
+    except ConfigError as exc:
+        print(f"ConfigError: {exc}")
+    else:
+        want = ops.linear_cross_entropy(h, w, t, None, None, loss_impl="chunked")
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        print("fused: ok")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter is selected only without CUDA")
+def test_fused_loss_on_cpu_selects_the_interpreter_before_triton_is_imported():
+    proc = _fresh_python(
+        """
+        import os, sys
+        import torch
+        from lmsys import ops
+        from lmsys.errors import ConfigError
+        assert "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ
+        """,
+        _FUSED_LOSS,
+        _FUSED_LOSS,  # again: no second warning
+        """
+        assert os.environ["TRITON_INTERPRET"] == "1" and ops._imported_triton_mode() == "interpreter"
+        """,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("fused: ok") == 2, proc.stdout
+    warnings = [line for line in proc.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "model.loss_impl=fused on cpu" in warnings[0], proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter is selected only without CUDA")
+def test_fused_loss_on_cpu_after_a_compiled_triton_import_is_one_clear_error():
+    proc = _fresh_python(
+        """
+        import torch
+        import triton  # compiled mode, as DeepSpeed's start-up imports it
+        from lmsys import ops
+        from lmsys.errors import ConfigError
+        """,
+        _FUSED_LOSS,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("ConfigError: ")]
+    assert len(errors) == 1, proc.stdout
+    for hint in (
+        "model.loss_impl=fused on cpu",
+        "model.kernels=triton",
+        "TRITON_INTERPRET=1",
+        "loss_impl=chunked",
+    ):
+        assert hint in errors[0], errors[0]

@@ -292,11 +292,16 @@ class SlurmCluster:
             raise RuntimeError(f"scancel --signal={signal_name} {job_id}: {proc.stderr.strip()}")
 
     def start_now(self, job_id: str, timeout_s: float = 60) -> None:
-        """Make a requeued job eligible at once: SLURM holds one for about two minutes (its
-        EligibleTime) before starting it again. Waits for the job to be PENDING first."""
+        """Make a requeued job eligible almost at once: SLURM holds one for about two minutes (its
+        EligibleTime) before starting it again, so that the credential of its previous run, which
+        slurmd revoked when it was killed, cannot be confused with the new one. Credentials carry
+        their creation time in whole seconds: a start within the second of the revocation is
+        refused ("Job credential revoked") and the job fails. So: wait for the job to be PENDING
+        and the node idle (its previous run cleaned up), then for two more seconds."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.job(job_id).get("JobState") == "PENDING":
+            if self.job(job_id).get("JobState") == "PENDING" and self._node_idle():
+                time.sleep(2)
                 proc = self._run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
                 if proc.returncode == 0:
                     return

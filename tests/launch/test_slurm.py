@@ -1,21 +1,25 @@
 """SLURM for real, on a one-machine cluster started by the test (tests/launch/slurm_cluster.py):
-launch/slurm.sbatch trains with 2 ranks, requeues itself on SIGUSR1 once it has a checkpoint and
-resumes to the uninterrupted run's losses; a node count that does not match the allocation fails
-with one line; a Hydra sweep through hydra-submitit-launcher (hydra/launcher=slurm) runs 2 tiny
-jobs of 2 SLURM tasks (2 ranks) each as SLURM jobs and summarizes them.
+launch/slurm.sbatch trains with 2 ranks; SIGUSR1 makes the ranks save their step and the script
+requeue the job, which resumes from that step to the uninterrupted run's losses; a node count
+that does not match the allocation fails with one line; with SWEEP_DIR the script runs a
+launch.sweep that, preempted, requeues and finishes its jobs; a Hydra sweep through
+hydra-submitit-launcher (hydra/launcher=slurm) runs 2 tiny jobs of 2 SLURM tasks (2 ranks) each
+as SLURM jobs and summarizes them.
 
 Marked `slurm` (deselect with -m "not slurm"); skipped, with the reason printed, only where SLURM
 cannot be installed."""
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.launch.conftest import REPO_ROOT, assert_trained, child_env, losses, run, run_meta
+from tests.launch.conftest import REPO_ROOT, assert_trained, child_env, free_port, losses, run, run_meta
 from tests.launch.test_sweep import wandb_groups
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -34,18 +38,22 @@ def wait_until(what: str, check, timeout_s: float, context) -> None:
         time.sleep(0.2)
 
 
-def test_sbatch_trains_two_ranks_and_resumes_after_requeue(slurm, tiny, one_node, tmp_path):
+def test_sbatch_preempted_saves_its_step_and_requeues(slurm, tiny, one_node, tmp_path):
     """`sbatch --ntasks=2 launch/slurm.sbatch` trains 2 ranks through a c10d rendezvous on the
-    allocation's node. SIGUSR1 (what --signal=B:USR1@600 sends before the time limit) before any
-    checkpoint does not requeue; after step 3's checkpoint it requeues the job, which starts again
-    with the same job id and run directory and resumes from step 3 (trainer.resume=auto): the
-    losses are those of the uninterrupted run."""
+    allocation's node. SIGUSR1 to the batch script (what --signal=B:USR1@120 sends before the time
+    limit) during training: the script passes it to the job step, every rank finishes its step,
+    saves it and exits 75, and the script requeues the job, which starts again with the same job
+    id and run directory and resumes from exactly that step (none lost, none redone): the losses
+    are those of the uninterrupted run."""
     run_dir = tmp_path / "run"
-    env = child_env(PYTHON=sys.executable, RUN_DIR=str(run_dir), RDZV_TIMEOUT="120")
+    # a free rendezvous port: the script's default (from the job id) may be taken on a shared machine
+    env = child_env(
+        PYTHON=sys.executable, RUN_DIR=str(run_dir), RDZV_TIMEOUT="120", RDZV_PORT=str(free_port())
+    )
     job = slurm.sbatch(
         ["--ntasks=2", "--time=30", f"--output={tmp_path}/slurm-%j.out", f"--chdir={REPO_ROOT}"],
         SBATCH,
-        [*tiny, "trainer.debug_step_delay_s=2"],  # a window of >= 6 s between checkpoints 3 and 6
+        [*tiny, "trainer.debug_step_delay_s=1"],  # a second between steps: the signal comes mid-run
         env,
     )
     log_path = tmp_path / f"slurm-{job}.out"
@@ -53,16 +61,10 @@ def test_sbatch_trains_two_ranks_and_resumes_after_requeue(slurm, tiny, one_node
     def context() -> str:
         return f"{slurm.job(job)}\n{job_output(log_path)}\n{slurm.tail()}"
 
-    def latest() -> str:
-        path = run_dir / "checkpoints" / "latest"
-        return path.read_text().strip() if path.is_file() else ""
-
-    # The launcher's first line comes after the script installed its USR1 trap.
-    wait_until("launcher started", lambda: "lmsys-launch:" in job_output(log_path), 300, context)
-    assert latest() == ""
-    slurm.signal_batch(job, "USR1")  # no checkpoint of this allocation yet: no requeue
-    wait_until("step 3 checkpoint", lambda: latest() == "step_0000003", 300, context)
-    slurm.signal_batch(job, "USR1")  # now the job requeues itself
+    wait_until("step 2", lambda: 2 in losses(run_dir), 300, context)
+    slurm.signal_batch(job, "USR1")
+    wait_until("the job requeued", lambda: slurm.job(job).get("JobState") == "PENDING", 300, context)
+    first_allocation = sorted(losses(run_dir))
     slurm.start_now(job)
     info = slurm.wait(job, 400)
     log = job_output(log_path)
@@ -70,15 +72,62 @@ def test_sbatch_trains_two_ranks_and_resumes_after_requeue(slurm, tiny, one_node
     assert info["Requeue"] == "1"  # #SBATCH --requeue
     assert f"lmsys-slurm: job {job} restart 0: 1 node(s) x 2 process(es) (CPU: tasks per node)" in log
     assert "(this node hosts the store)" in log  # c10d rendezvous on the allocation's first node
-    assert log.count("no new checkpoint since this allocation started: not requeueing") == 1, log
-    assert f"requeueing job {job} (newest checkpoint step_0000003)" in log, log
+    assert "lmsys-slurm: SIGUSR1: the ranks save their current step and stop" in log, log
+    saved = re.search(r"lmsys-train: preempted \(SIGUSR1\): saving step (\d+) \.\.\. saved ", log)
+    assert saved is not None, log
+    step = int(saved.group(1))
+    assert first_allocation == list(range(1, step + 1))  # every step it made is in the checkpoint
+    assert 2 <= step < 6
+    assert f"requeueing job {job} (newest checkpoint step_{step:07d})" in log, log
     assert f"lmsys-slurm: job {job} restart 1:" in log, log
     launches = run_meta(run_dir)["launches"]
-    assert [launch["resumed_from"] for launch in launches][0] is None
-    assert len(launches) == 2 and launches[1]["resumed_from"].endswith("step_0000003"), launches
+    assert len(launches) == 2 and launches[0]["resumed_from"] is None, launches
+    assert launches[1]["resumed_from"].endswith(f"step_{step:07d}"), launches
     got = assert_trained(run_dir, world_size=2)
-    for step in range(1, 7):
-        assert got[step] == pytest.approx(one_node[step], rel=1e-5), (got, one_node)
+    for s in range(1, 7):
+        assert got[s] == pytest.approx(one_node[s], rel=1e-5), (got, one_node)
+
+
+def test_sbatch_sweep_continues_after_a_requeue(slurm, tiny, one_node, tmp_path):
+    """SWEEP_DIR=<dir>: the script runs launch.sweep, 2 jobs of 2 ranks. SIGUSR1 during job 0: job
+    0 saves its step, the sweep marks it preempted and exits 75, the script requeues; the requeued
+    job runs the same sweep, which resumes job 0 from that step (to the uninterrupted losses) and
+    then runs job 1."""
+    sweep_dir = tmp_path / "sweep"
+    env = child_env(
+        PYTHON=sys.executable, SWEEP_DIR=str(sweep_dir), RDZV_TIMEOUT="120", RDZV_PORT=str(free_port())
+    )
+    job = slurm.sbatch(
+        ["--ntasks=2", "--time=30", f"--output={tmp_path}/slurm-%j.out", f"--chdir={REPO_ROOT}"],
+        SBATCH,
+        [*tiny, "optim.lr=3e-3,1e-3", "trainer.debug_step_delay_s=1"],
+        env,
+    )
+    log_path = tmp_path / f"slurm-{job}.out"
+
+    def context() -> str:
+        return f"{slurm.job(job)}\n{job_output(log_path)}\n{slurm.tail()}"
+
+    wait_until("job 0 at step 2", lambda: 2 in losses(sweep_dir / "0"), 300, context)
+    slurm.signal_batch(job, "USR1")
+    wait_until("the job requeued", lambda: slurm.job(job).get("JobState") == "PENDING", 300, context)
+    jobs = json.loads((sweep_dir / "sweep.json").read_text())["jobs"]
+    assert [j["status"] for j in jobs] == ["preempted", "pending"], jobs
+    slurm.start_now(job)
+    info = slurm.wait(job, 500)
+    log = job_output(log_path)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", context()
+    assert f"lmsys-slurm: job {job} restart 0: 1 node(s) x 2 process(es) (CPU: tasks per node)" in log
+    assert "lmsys-sweep: preempted: the running job saved its step; exit 75" in log, log
+    assert "requeueing job" in log and "lmsys-sweep: job 1/2:" in log, log
+    jobs = json.loads((sweep_dir / "sweep.json").read_text())["jobs"]
+    assert [j["status"] for j in jobs] == ["completed", "completed"], jobs
+    launches = run_meta(sweep_dir / "0")["launches"]
+    assert len(launches) == 2 and launches[1]["resumed_from"] is not None, launches
+    got = assert_trained(sweep_dir / "0", world_size=2)
+    for s in range(1, 7):
+        assert got[s] == pytest.approx(one_node[s], rel=1e-5), (got, one_node)
+    assert_trained(sweep_dir / "1", world_size=2)
 
 
 def test_sbatch_node_count_mismatch_is_one_error_line(slurm, tmp_path):

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import csv
 import json
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,16 @@ import yaml
 
 from lmsys.sweep.multirun import expand_sweep, multirun_world_size
 from lmsys.sweep.summary import distinguishing_keys, find_jobs
-from tests.launch.conftest import MAX_STEPS, assert_trained, child_env, losses, one_error_line, run, run_meta
+from tests.launch.conftest import (
+    MAX_STEPS,
+    REPO_ROOT,
+    assert_trained,
+    child_env,
+    losses,
+    one_error_line,
+    run,
+    run_meta,
+)
 
 
 def wandb_groups(run_dir: Path) -> list[str]:
@@ -186,13 +198,38 @@ def test_summarize_cli_errors_are_one_line(tmp_path):
 # ----------------------------------------------------------------------------- real sweeps
 
 
+def preempt_during_first_job(command: list[str], sweep_dir: Path) -> int:
+    """Start the sweep, send it SIGUSR1 (what SLURM sends before a time limit) once job 0 has
+    logged a step; returns the step job 0 stopped after. The sweep must exit 75."""
+    proc = subprocess.Popen(
+        command, cwd=REPO_ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 240
+    while not losses(sweep_dir / "0") and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 75, out[-3000:] + err[-3000:]
+    assert "lmsys-sweep: preempted: the running job saved its step; exit 75" in err
+    jobs = json.loads((sweep_dir / "sweep.json").read_text())["jobs"]
+    assert [(j["status"], j.get("returncode")) for j in jobs] == [("preempted", 75), ("pending", None)]
+    return max(losses(sweep_dir / "0"))
+
+
 @pytest.mark.slow
-def test_launch_sweep_runs_each_job_as_a_two_process_torchrun(tiny, tmp_path):
+def test_launch_sweep_runs_each_job_as_a_two_process_torchrun(tiny, one_node, tmp_path):
+    """Each job a 2-rank torchrun launch; preempted during job 0 (SIGUSR1), the sweep exits 75 and
+    the same command again (what a requeued SLURM job runs) resumes job 0 from the step it saved,
+    to the uninterrupted losses, then runs job 1."""
     sweep_dir = tmp_path / "lr-sweep"
     command = [sys.executable, "-m", "launch.sweep", "--nproc", "2", "--sweep-dir", str(sweep_dir), "--"]
-    overrides = [*tiny, "logger=wandb_offline", "optim.lr=3e-3,1e-3"]
+    overrides = [*tiny, "logger=wandb_offline", "optim.lr=3e-3,1e-3", "trainer.debug_step_delay_s=0.5"]
+    stopped = preempt_during_first_job([*command, *overrides], sweep_dir)
     proc = run([*command, *overrides], timeout=400, env=child_env())
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    launches = run_meta(sweep_dir / "0")["launches"]
+    assert len(launches) == 2 and launches[1]["resumed_from"].endswith(f"step_{stopped:07d}"), launches
+    assert losses(sweep_dir / "0") == pytest.approx(one_node, rel=1e-5)  # job 0 is the reference config
 
     index = json.loads((sweep_dir / "sweep.json").read_text())
     assert [j["status"] for j in index["jobs"]] == ["completed", "completed"]
@@ -202,7 +239,7 @@ def test_launch_sweep_runs_each_job_as_a_two_process_torchrun(tiny, tmp_path):
     for num in (0, 1):
         run_dir = sweep_dir / str(num)
         curves.append(assert_trained(run_dir, world_size=2, proc=proc))
-        assert wandb_groups(run_dir) == ["lr-sweep"]
+        assert wandb_groups(run_dir) == ["lr-sweep"] * (2 if num == 0 else 1)  # an attempt per launch
     assert curves[0][MAX_STEPS] != curves[1][MAX_STEPS]  # two different learning rates
 
     assert "optim.lr" in proc.stdout and "completed" in proc.stdout  # the table
@@ -216,7 +253,7 @@ def test_launch_sweep_runs_each_job_as_a_two_process_torchrun(tiny, tmp_path):
     again = run([*command, *overrides], timeout=120)
     assert again.returncode == 0, again.stderr
     assert again.stdout.count("already completed, skipped") == 2
-    assert len(run_meta(sweep_dir / "0")["launches"]) == 1
+    assert len(run_meta(sweep_dir / "0")["launches"]) == 2
 
 
 @pytest.mark.slow

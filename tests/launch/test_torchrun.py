@@ -5,6 +5,7 @@ checkpoint; a silent endpoint, a lonely node 0 and a wrong node count fail fast 
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import time
 
@@ -41,6 +42,17 @@ def test_one_node_is_standalone_with_two_cpu_processes():
     args = p.torchrun_args(["model=tiny"])
     assert "--standalone" in args and "--nproc-per-node=2" in args
     assert args[-3:] == ["-m", "lmsys.train", "model=tiny"]
+
+
+def test_workers_get_sigusr1_and_time_to_save():
+    args = plan([], {}).torchrun_args([])
+    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in args  # SLURM's time-limit warning
+    assert "--shutdown-timeout=300" in args
+    given = plan(["--shutdown-timeout", "60"], {"SHUTDOWN_TIMEOUT": "90"})  # the option wins
+    assert "--shutdown-timeout=60" in given.torchrun_args([])
+    assert "--shutdown-timeout=90" in plan([], {"SHUTDOWN_TIMEOUT": "90"}).torchrun_args([])
+    with pytest.raises(LaunchError, match="SHUTDOWN_TIMEOUT=0 must be >= 1"):
+        plan([], {"SHUTDOWN_TIMEOUT": "0"})
 
 
 def test_nproc_from_argument_env_and_slurm_gpus():
@@ -262,3 +274,43 @@ def test_worker_failure_without_restarts_is_reported(tiny, tmp_path):
     assert proc.returncode == 13, proc.stderr[-3000:]
     assert proc.stderr.rstrip().splitlines()[-1].startswith("lmsys-launch: error: worker rank 1")
     assert max(losses(run_dir), default=0) <= 2  # the job stopped there
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_ranks_after_one_step_with_its_checkpoint(one_node, tiny, tmp_path):
+    """SIGTERM to the launcher (a scheduler preempting the job) while 2 ranks train at ZeRO-2:
+    torchrun passes it to both workers, which finish the step under way, save it and exit; the
+    launcher exits 75 (EXIT_REQUEUE), with one line and no traceback. Resumed on 1 rank at ZeRO-3,
+    no step is redone and the losses are the uninterrupted run's."""
+    run_dir = tmp_path / "run"
+    overrides = [*tiny, f"trainer.run_dir={run_dir}"]
+    proc = subprocess.Popen(
+        launcher("--nproc", "2", "--", *overrides, "trainer.debug_step_delay_s=1"),
+        cwd=REPO_ROOT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 240
+    while not losses(run_dir) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    at_signal = max(losses(run_dir), default=0)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 75, out[-3000:] + err[-3000:]
+    stopped = max(losses(run_dir))
+    assert at_signal >= 1 and stopped - at_signal in (1, 2), (at_signal, stopped)  # the step under way
+    lines = [ln for ln in err.splitlines() if "preempted" in ln]
+    assert lines == [
+        f"lmsys-train: preempted (SIGTERM): saving step {stopped} ... saved {run_dir}/checkpoints/"
+        f"step_{stopped:07d}; exit 75: requeue, or run again with trainer.resume=auto, to continue"
+    ], err
+    assert "Traceback" not in err
+    on_one_rank = [o.replace("deepspeed=zero2", "deepspeed=zero3") for o in overrides]
+    resumed = run(launcher("--nproc", "1", "--", *on_one_rank))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resumed from {run_dir}/checkpoints/step_{stopped:07d} (step {stopped};" in resumed.stdout
+    got = assert_trained(run_dir, world_size=1)
+    for step in range(1, MAX_STEPS + 1):
+        assert got[step] == pytest.approx(one_node[step], rel=1e-5), (got, one_node)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -186,6 +187,17 @@ LAUNCHES: dict[str, Launch] = {
         "2proc-zero3-accum2-actckpt-${model.name}",
     ),
 }
+# The fused Triton loss (under the interpreter on CPU) at ZeRO-0 and ZeRO-3 on 2 ranks, tied
+# embeddings (tiny), and on 1 process; every other run uses model.loss_impl=auto (chunked on CPU).
+LAUNCHES["fused"] = Launch(
+    2,
+    ("-m", "deepspeed=zero0,zero3", "trainer.micro_batch_size=4", "model.loss_impl=fused"),
+    ("2proc-zero0-fused", "2proc-zero3-fused"),
+    "2proc-zero${deepspeed.stage}-fused",
+)
+LAUNCHES["fused1"] = Launch(
+    1, ("trainer.micro_batch_size=8", "model.loss_impl=fused"), ("1proc-fused",), "1proc-fused"
+)
 # torch.compile (inductor) on 2 ranks at ZeRO-2, against the eager 2proc-zero2 run
 LAUNCHES["compiled"] = Launch(
     2, ("deepspeed=zero2", "trainer.micro_batch_size=4", "trainer.compile=true"), ("2proc-zero2-compiled",),
@@ -215,7 +227,9 @@ class RunCache:
             plain.append("model=tiny")
         for o in spec.overrides:
             if o.startswith("deepspeed=zero0,"):
-                plain.append(f"deepspeed=zero{case[-1]}")
+                stage = re.search(r"zero(\d)", case)
+                assert stage is not None
+                plain.append(f"deepspeed=zero{stage.group(1)}")
         return [*data_overrides(self.data_dir), *plain]
 
     def get(self, case: str) -> Run:

@@ -1,5 +1,7 @@
 """A plain PyTorch training loop (no DeepSpeed, one process) on the same model, data order,
-optimizer, schedule and clipping as lmsys.train: the math every sharded run must reproduce."""
+optimizer, schedule and clipping as lmsys.train: the math every sharded run must reproduce. Its
+loss is the full-logits path (model.loss_impl=full: logits, then the weighted cross-entropy),
+so runs with the chunked (auto on CPU) or fused loss are checked against it."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ def plain_losses(
     from lmsys.data import TokenLoader
     from lmsys.shards import PreparedData
 
-    cfg = compose(overrides)
+    cfg = compose([*overrides, "model.loss_impl=full"])
     t, o = cfg.trainer, cfg.optim
     sequences = t.global_batch_tokens // cfg.data.seq_len
     threads = torch.get_num_threads()

@@ -158,6 +158,42 @@ def test_corrupt_and_partial_checkpoints_fall_back(runs, fallback_run):
     root = run.run_dir / ckpt.CHECKPOINTS
     assert ckpt.verify(root / "step_0000006")["state"]["step"] == 6  # written again, whole
     assert not list(root.glob(".tmp-*"))
+    # the damaged ones were moved aside, not deleted, and say so
+    assert sorted(p.name for p in (root / ckpt.DAMAGED).iterdir()) == ["step_0000006", "step_0000008"]
+    for tag in ("step_0000006", "step_0000008"):
+        moved = f"moved the damaged checkpoint {tag} to {root / ckpt.DAMAGED / tag}"
+        assert any(moved in w for w in warnings), warnings
+
+
+def test_keep_last_counts_only_intact_checkpoints_and_moves_damaged_ones_aside(runs, tmp_path):
+    """The 1-process run's checkpoints 2, 4, 6 with the newest (6) and the oldest (2) truncated,
+    resumed with trainer.keep_last=1 and stopped by a preemption after step 5. Resume falls back to
+    4 and moves 6 aside; the save of 5 prunes 4 (5 is newer and complete) and moves the damaged 2
+    aside: only step 5 is left, not a corrupt checkpoint counted as the one to keep. Continued, the
+    run ends with the uninterrupted losses and its one newest checkpoint."""
+    reference = runs.get("1proc").check()
+    run_dir = copy_run(reference, tmp_path / "run")
+    root = run_dir / ckpt.CHECKPOINTS
+    for tag in ("step_0000006", "step_0000002"):
+        victim = next((root / tag).glob("*optim_states.pt"))
+        victim.write_bytes(victim.read_bytes()[:1000])
+    overrides = [o for o in runs.overrides("1proc") if not o.startswith("logger")] + ["logger=none"]
+    overrides.append("trainer.keep_last=1")
+    stopped = run_train("stopped", 1, [*overrides, "trainer.debug_signal_at_step=5"], run_dir, cwd=tmp_path)
+    assert stopped.returncode == 75, stopped.stdout + stopped.stderr
+    assert "step_0000004 (step 4)" in stopped.stdout
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_0000005"]
+    assert sorted(p.name for p in (root / ckpt.DAMAGED).iterdir()) == ["step_0000002", "step_0000006"]
+    warnings = [line for line in stopped.stderr.splitlines() if "warning" in line]
+    assert any(
+        "checkpoint step_0000002 is damaged" in w and "truncated" in w and "not counted in keep_last" in w
+        for w in warnings
+    ), stopped.stderr
+    finished = run_train("finished", 1, overrides, run_dir, cwd=tmp_path).check()
+    assert "step_0000005 (step 5)" in finished.stdout
+    assert finished.losses() == pytest.approx(reference.losses(), rel=1e-5)
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_0000006"]
+    assert ckpt.resolve(run_dir).step == 6  # what export, generate and eval pick
 
 
 def test_resume_with_another_model_is_refused(runs, fallback_run, tmp_path):

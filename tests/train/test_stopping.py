@@ -1,0 +1,146 @@
+"""Stopping on a signal (lmsys/stopping.py), with real runs:
+
+- Ctrl-C (SIGINT to the terminal's process group), in one process and under launch.torchrun:
+  one line "interrupted: saving step N ...", a complete checkpoint of the last step, exit 130, no
+  traceback; the run resumed from it has the uninterrupted run's losses;
+- a second SIGTERM / SIGUSR1 while the checkpoint is being written changes nothing: the save
+  completes, exit 75;
+- a second Ctrl-C during the save stops at once: the half-written checkpoint never becomes
+  visible, the previous one stays the newest, intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lmsys import checkpoint as ckpt
+from tests.train.conftest import child_env, run_train, train_command
+
+pytestmark = pytest.mark.slow
+
+
+class Running:
+    """A training command started in a session of its own, as a terminal's foreground job."""
+
+    def __init__(self, command: list[str], run_dir: Path, cwd: Path) -> None:
+        self.run_dir = run_dir
+        self.proc = subprocess.Popen(
+            command,
+            cwd=cwd,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+
+    def steps(self) -> list[int]:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.is_file():
+            return []
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [r["step"] for r in records if r.get("kind") == "train"]
+
+    def wait_for(self, what: str, ready, timeout_s: float = 240) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            if self.proc.poll() is not None:
+                out, err = self.proc.communicate()
+                pytest.fail(f"the run ended before {what}:\n{out}\n{err}")
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                pytest.fail(f"no {what} within {timeout_s} s")
+            time.sleep(0.02)
+
+    def signal_group(self, sig: int) -> None:
+        """What a terminal does on Ctrl-C: the signal to the foreground process group."""
+        os.killpg(self.proc.pid, sig)
+
+    def finish(self) -> tuple[int, str, str]:
+        out, err = self.proc.communicate(timeout=240)
+        return self.proc.returncode, out, err
+
+    def saving(self) -> bool:
+        return any((self.run_dir / "checkpoints").glob(".tmp-step_*"))
+
+
+def one_stop_line(err: str, word: str) -> str:
+    lines = [line for line in err.splitlines() if word in line]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("nproc", [1, 2], ids=["python", "launch.torchrun"])
+def test_ctrl_c_saves_the_step_in_one_line_and_exits_130(runs, tmp_path, nproc):
+    case = "1proc" if nproc == 1 else "2proc-zero2"
+    run_dir = tmp_path / "run"
+    overrides = [*runs.overrides(case), "logger=none", "trainer.debug_step_delay_s=0.5"]
+    overrides.append(f"trainer.run_dir={run_dir}")
+    if nproc == 1:
+        command = train_command(1, overrides)
+    else:
+        command = [sys.executable, "-m", "launch.torchrun", "--nproc", "2", "--", *overrides]
+    job = Running(command, run_dir, tmp_path)
+    job.wait_for("step 2", lambda: 2 in job.steps())
+    job.signal_group(signal.SIGINT)
+    code, out, err = job.finish()
+    assert code == 130, out + err
+    line = one_stop_line(err, "interrupted")
+    step = job.steps()[-1]
+    assert step in (2, 3, 4), job.steps()  # the step under way when Ctrl-C came, or the one after
+    tag = run_dir / "checkpoints" / f"step_{step:07d}"
+    want = f"lmsys-train: interrupted: saving step {step} ... saved {tag}; trainer.resume=auto continues"
+    assert line == want
+    assert ckpt.find_latest(run_dir, pytest.fail).tag_dir == tag
+    if nproc == 1:  # resumed: the uninterrupted run's losses (the 2-rank case: tests/launch)
+        overrides = [o for o in overrides if not o.startswith("trainer.debug")]
+        resumed = run_train("resumed", 1, overrides, run_dir, cwd=tmp_path).check()
+        assert f"(step {step})" in resumed.stdout
+        assert resumed.losses() == pytest.approx(runs.get(case).check().losses(), rel=1e-5)
+
+
+def test_a_second_sigterm_during_the_save_changes_nothing(runs, tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = [*runs.overrides("1proc"), "logger=none", "trainer.debug_step_delay_s=0.5"]
+    overrides += ["trainer.save_interval=100", "trainer.debug_save_delay_s=2", f"trainer.run_dir={run_dir}"]
+    job = Running(train_command(1, overrides), run_dir, tmp_path)
+    job.wait_for("step 2", lambda: 2 in job.steps())
+    job.proc.send_signal(signal.SIGTERM)
+    job.wait_for("the checkpoint being written", job.saving)
+    job.proc.send_signal(signal.SIGTERM)
+    job.proc.send_signal(signal.SIGUSR1)
+    code, out, err = job.finish()
+    assert code == 75, out + err
+    step = job.steps()[-1]
+    line = one_stop_line(err, "preempted")
+    assert line.startswith(f"lmsys-train: preempted (SIGTERM): saving step {step} ... saved ")
+    found = ckpt.find_latest(run_dir, pytest.fail)
+    assert found.step == step and ckpt.verify(found.tag_dir)["state"]["step"] == step
+    assert not job.saving()
+
+
+def test_a_second_ctrl_c_during_the_save_abandons_it_and_damages_nothing(runs, tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = [*runs.overrides("1proc"), "logger=none", "trainer.debug_step_delay_s=0.5"]
+    overrides += ["trainer.debug_save_delay_s=2", f"trainer.run_dir={run_dir}"]
+    job = Running(train_command(1, overrides), run_dir, tmp_path)
+    job.wait_for("checkpoint 2", lambda: (run_dir / "checkpoints" / "step_0000002" / ckpt.MARKER).exists())
+    job.signal_group(signal.SIGINT)
+    job.wait_for("the stop's checkpoint being written", job.saving)
+    job.signal_group(signal.SIGINT)
+    code, out, err = job.finish()
+    assert code == 130, out + err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == "lmsys-train: interrupted", err
+    found = ckpt.find_latest(run_dir, pytest.fail)  # nothing newer is visible, half-written or not
+    assert found.step == 2 and ckpt.verify(found.tag_dir)["state"]["step"] == 2
+    assert [p.name for p in (run_dir / "checkpoints").glob("step_*")] == ["step_0000002"]
