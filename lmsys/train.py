@@ -46,7 +46,7 @@ from lmsys import checkpoint as ckpt
 from lmsys import engine as eng
 from lmsys import rundir
 from lmsys.cli import report_error, run_cli
-from lmsys.compiling import compile_summary, say_first_compile
+from lmsys.compiling import compile_summary, say_first_compile, strict_compile
 from lmsys.config import CONF_DIR, Config, compose, config_to_dict, to_config
 from lmsys.console import Console, StepReport
 from lmsys.data import Batch, TokenLoader
@@ -463,9 +463,8 @@ class Trainer:
         try:
             with self.console.progress(total=t.max_steps, initial=self.start_step):
                 for step in range(self.start_step + 1, t.max_steps + 1):
-                    result = (
-                        self._compiled_step(step) if step == self.start_step + 1 else self.train_step(step)
-                    )
+                    first = step == self.start_step + 1 and self.engine_info.compile_strict
+                    result = strict_compile(self.train_step, step) if first else self.train_step(step)
                     self.record(result, time.perf_counter() - started)
                     if step % t.eval_interval == 0 or step == t.max_steps:
                         self.evaluate_and_log(step, result.loss)
