@@ -9,10 +9,12 @@ argument lists that could drift from the real one.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import triton
 
 Grid = tuple[int, ...] | Callable[[dict], tuple[int, ...]]
@@ -53,3 +55,15 @@ class KernelLaunch:
             self.tuned[self.grid](*self.args, **self.kwargs)
         else:
             self.kernel[self.grid](*self.args, **self.kwargs_for(None))
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_sm_count(device: torch.device) -> int | None:
+    """SMs of a CUDA device (launch geometries fill them); None elsewhere (the interpreter)."""
+    if device.type != "cuda":
+        return None
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())

@@ -33,14 +33,13 @@ atomics, no locks.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import KernelLaunch
+from kernels.launch import KernelLaunch, device_sm_count
 from kernels.reference import (  # noqa: F401  (the tests import the references from here too)
     LAYER_NORM_FORMULAS,
     add_layer_norm_reference,
@@ -481,18 +480,6 @@ def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _device_sm_count(device: torch.device) -> int | None:
-    """SMs of a CUDA device; None elsewhere (the interpreter)."""
-    if device.type != "cuda":
-        return None
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def _programs_target(sm_count: int | None) -> int:
     """How many programs keep the device busy: a few per SM on a GPU, a handful on the interpreter."""
     return 4 * sm_count if sm_count is not None else 4
@@ -532,7 +519,7 @@ def _bwd_partition(m: int, n: int, sm_count: int | None, block_n: int | None = N
 
 def _bwd_row_programs(m: int, n: int, device: torch.device, block_n: int | None = None) -> tuple[int, int]:
     """`_bwd_partition` for the GPU `device` is on."""
-    return _bwd_partition(m, n, _device_sm_count(device), block_n)
+    return _bwd_partition(m, n, device_sm_count(device), block_n)
 
 
 def forward_launch(
@@ -736,7 +723,7 @@ def layer_norm_backward(
     if dy.shape != x.shape:
         raise ValueError(f"dy shape {tuple(dy.shape)} differs from x shape {tuple(x.shape)}")
     launches, (dx, dw_part, db_part) = backward_launches(
-        dy, x, mean, rstd, weight, bias, eps, formula, dsummed, _device_sm_count(x.device), block_n
+        dy, x, mean, rstd, weight, bias, eps, formula, dsummed, device_sm_count(x.device), block_n
     )
     if not launches:  # no rows
         zeros = lambda p: torch.zeros_like(p) if p is not None else None

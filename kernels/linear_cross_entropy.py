@@ -40,14 +40,13 @@ are in kernels/reference.py.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import KernelLaunch
+from kernels.launch import KernelLaunch, device_sm_count
 from kernels.reference import (  # noqa: F401  (the tests import the references from here too)
     LCE_LOGITS_BUDGET,
     check_linear_cross_entropy_inputs,
@@ -386,18 +385,6 @@ def _dh_split(c: int, d: int, v: int, t: dict[str, int], sm_count: int | None) -
     return triton.cdiv(v, per_split), per_split
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _device_sm_count(device: torch.device) -> int | None:
-    """SMs of a CUDA device; None elsewhere (the interpreter)."""
-    if device.type != "cuda":
-        return None
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 @dataclass
 class ChunkBuffers:
     """The per-chunk scratch, allocated once for C rows and reused by every chunk."""
@@ -614,7 +601,7 @@ def linear_cross_entropy_forward(
     db = torch.zeros((v,), dtype=torch.float32, device=device) if need_b else None  # 1^T G
     per_token = torch.zeros((n,), dtype=torch.float32, device=device)  # w (lse - z[t])
     if n > 0:
-        buffers = chunk_buffers(min(c, n), d, v, h.dtype, device, need_h, grads, _device_sm_count(device))
+        buffers = chunk_buffers(min(c, n), d, v, h.dtype, device, need_h, grads, device_sm_count(device))
         for start in range(0, n, c):
             end = min(n, start + c)
             launches = chunk_launches(
