@@ -27,16 +27,6 @@ from lmsys.errors import ConfigError, LmsysError
 
 T = TypeVar("T")
 
-COMPILE_CHOICES = ("auto", "true", "false")
-
-
-def parse_compile(value: object, key: str = "trainer.compile") -> str:
-    """ "auto", "true" or "false" from a config or command-line value (Hydra makes true a bool)."""
-    text = str(value).lower()
-    if text not in COMPILE_CHOICES:
-        raise ConfigError(f"{key}={value} is not valid; choose one of: {', '.join(COMPILE_CHOICES)}")
-    return text
-
 
 def wants_compile(choice: str, device: torch.device) -> bool:
     """Whether `choice` compiles on `device`."""

@@ -37,6 +37,12 @@ BLOCK_KINDS = ("none", "pre", "post", "parallel")
 SOFTMAX_KINDS = ("row", "matrix")
 KERNEL_CHOICES = ("auto", "triton", "torch")
 LOSS_IMPLS = ("auto", "fused", "chunked", "full")
+COMPILE_CHOICES = ("auto", "true", "false")  # trainer.compile
+
+
+def compile_choice(value: object) -> str:
+    """trainer.compile as one of COMPILE_CHOICES' spellings (Hydra turns `true` into a bool)."""
+    return str(value).lower()
 
 
 # ----------------------------------------------------------------------------- model
@@ -363,8 +369,8 @@ def validate(cfg: Config) -> Config:
     _require(t.max_nan_skips >= 0, f"trainer.max_nan_skips={t.max_nan_skips} must be >= 0")
     _require(t.dist_timeout_s > 0, f"trainer.dist_timeout_s={t.dist_timeout_s} must be > 0")
     _require(
-        str(t.compile).lower() in ("auto", "true", "false"),
-        f"trainer.compile={t.compile} is not valid; choose one of: auto, true, false",
+        compile_choice(t.compile) in COMPILE_CHOICES,
+        f"trainer.compile={t.compile} is not valid; choose one of: {', '.join(COMPILE_CHOICES)}",
     )
     _require(bool(t.resume), "trainer.resume must be auto, never or a checkpoint directory")
     _require(

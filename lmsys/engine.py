@@ -50,8 +50,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from lmsys.compiling import compile_module, parse_compile, wants_compile
-from lmsys.config import Config, OptimConfig
+from lmsys.compiling import compile_module, wants_compile
+from lmsys.config import Config, OptimConfig, compile_choice
 from lmsys.errors import CheckpointError
 from lmsys.runtime import BatchPlan
 
@@ -304,10 +304,10 @@ def initialize(
     if cfg.deepspeed.activation_checkpointing:
         apply_activation_checkpointing(model)
     module = LossModule(model)
-    compile_choice = parse_compile(cfg.trainer.compile)
-    compiled = wants_compile(compile_choice, device)
+    choice = compile_choice(cfg.trainer.compile)  # validated by lmsys.config
+    compiled = wants_compile(choice, device)
     if compiled:  # before DeepSpeed wraps it: the engine calls the compiled forward
-        compile_module(module, strict=compile_choice == "true")
+        compile_module(module, strict=choice == "true")
     client_opt, opt_section, groups, opt_kind = build_optimizer(model, cfg, device)
     ds_config = deepspeed_config(cfg, plan, device, precision, opt_section)
     engine, _, _, _ = deepspeed.initialize(
@@ -327,7 +327,7 @@ def initialize(
         offload_optimizer=cfg.deepspeed.offload_optimizer,
         offload_param=cfg.deepspeed.offload_param,
         compiled=compiled,
-        compile_strict=compile_choice == "true",
+        compile_strict=choice == "true",
     )
     return engine, info, ds_config
 

@@ -15,7 +15,8 @@ import torch
 
 from kernels import library
 from lmsys.compiling import compile_stats
-from lmsys.config import compose_model
+from lmsys.config import compile_choice, compose, compose_model
+from lmsys.errors import ConfigError
 from lmsys.model import Transformer
 from tests.conftest import DEVICE
 
@@ -141,3 +142,12 @@ def test_inductor_equals_eager() -> None:
     graphs = compile_stats().graphs
     _loss_and_grads(module, module, *batch())  # the same shapes again: no recompilation
     assert compile_stats().graphs == graphs == before + 1
+
+
+def test_trainer_compile_takes_auto_true_false_only() -> None:
+    assert compile_choice(compose(["trainer.compile=true"]).trainer.compile) == "true"
+    assert compile_choice(compose([]).trainer.compile) == "auto"
+    with pytest.raises(
+        ConfigError, match=r"trainer.compile=maybe is not valid; choose one of: auto, true, false"
+    ):
+        compose(["trainer.compile=maybe"])
