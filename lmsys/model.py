@@ -11,7 +11,6 @@ Shapes: B batch, T positions, D d_model, H heads, V vocabulary.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -20,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lmsys import ops
 from lmsys.config import ModelConfig, model_dims, validate_model
+from lmsys.kv_cache import KVCache, StaticKVCache, uncached_span
 
 # ----------------------------------------------------------------------------- positions
 
@@ -84,73 +84,21 @@ class Positions(nn.Module):
             )
         return self.table[start : start + length]
 
-    def per_row(self, positions: torch.Tensor) -> torch.Tensor | None:  # (B, T) -> (B, T, D) or None
-        """P[positions[b, t]]: every row numbered on its own (a left-padded batch)."""
+    def per_row(
+        self, positions: torch.Tensor, checked: bool = True
+    ) -> torch.Tensor | None:  # (B, T) -> (B, T, D) or None
+        """P[positions[b, t]]: every row numbered on its own (a left-padded batch). checked=False
+        (a compiled decode step, which must not read values back to the host) clamps to the
+        table's last row instead of checking (StaticKVCache's docstring says when that happens)."""
         if self.table is None:
             return None
+        if not checked:
+            return self.table[positions.clamp_max(self.max_len - 1)]
         if int(positions.max()) >= self.max_len:
             raise ValueError(
                 f"sequence of {int(positions.max()) + 1} positions exceeds model.max_seq_len={self.max_len}"
             )
         return self.table[positions]
-
-
-# ----------------------------------------------------------------------------- KV cache
-
-
-@dataclass
-class KVCache:
-    """Keys and values of every layer for the positions already processed (generation).
-
-    Preallocated to `max_len`, so appending a token costs one write per layer and attention over
-    the cache is O(T) per new token instead of recomputing the whole prefix. Every row has the
-    same number of slots; in a padded batch `real` marks the slots that hold a token.
-    """
-
-    keys: list[torch.Tensor]  # n_layers x (B, H, max_len, d_qk)
-    values: list[torch.Tensor]  # n_layers x (B, H, max_len, d_vo)
-    length: int = 0  # slots filled
-    real: torch.Tensor | None = None  # (B, max_len) bool, False at padding; None while no slot was padding
-
-    @classmethod
-    def empty(
-        cls, cfg: ModelConfig, batch: int, max_len: int, device: torch.device, dtype: torch.dtype
-    ) -> KVCache:
-        dims = model_dims(cfg)
-        h = cfg.n_heads
-        keys = [
-            torch.zeros(batch, h, max_len, dims.d_qk, device=device, dtype=dtype) for _ in range(cfg.n_layers)
-        ]
-        values = [
-            torch.zeros(batch, h, max_len, dims.d_vo, device=device, dtype=dtype) for _ in range(cfg.n_layers)
-        ]
-        return cls(keys=keys, values=values, length=0)
-
-    @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[2]
-
-    def track_padding(self, mask: torch.Tensor | None, t: int) -> torch.Tensor | None:
-        """Record which of the next t slots hold a token (mask (B, t), None: all of them) and
-        return the mask of every slot up to them (B, length + t), or None while none is padding."""
-        if mask is None and self.real is None:
-            return None
-        if self.real is None:
-            batch, device = self.keys[0].shape[0], self.keys[0].device
-            self.real = torch.ones(batch, self.capacity, dtype=torch.bool, device=device)
-        end = self.length + t
-        self.real[:, self.length : end] = True if mask is None else mask
-        return self.real[:, :end]
-
-    def select(self, rows: torch.Tensor) -> KVCache:
-        """The cache of batch rows `rows` (B',), in that order, repeats allowed: drops the rows that
-        finished generating, or gives one context to each of its continuations."""
-        return KVCache(
-            keys=[k.index_select(0, rows) for k in self.keys],
-            values=[v.index_select(0, rows) for v in self.values],
-            length=self.length,
-            real=None if self.real is None else self.real.index_select(0, rows),
-        )
 
 
 # ----------------------------------------------------------------------------- attention
@@ -197,18 +145,16 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # (B, T, D)
-        cache: KVCache | None = None,
+        cache: KVCache | StaticKVCache | None = None,
         layer: int = 0,
         key_mask: torch.Tensor | None = None,  # (B, Tk) bool, False at padding (Transformer.forward)
     ) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.project_qkv(x)
+        query_slots = None
         if cache is not None:
-            start = cache.length
-            cache.keys[layer][:, :, start : start + t] = k
-            cache.values[layer][:, :, start : start + t] = v
-            k = cache.keys[layer][:, :, : start + t]  # (B, H, start+T, d_qk)
-            v = cache.values[layer][:, :, : start + t]  # (B, H, start+T, d_vo)
+            k, v = cache.store(layer, k, v)  # (B, H, Tk, d): every key the new tokens may attend to
+            query_slots = cache.query_slots
         heads = ops.attention(
             q,
             k,
@@ -218,6 +164,7 @@ class Attention(nn.Module):
             kernels=self.kernels,
             softmax=self.softmax,
             key_mask=key_mask,
+            query_slots=query_slots,
         )  # (B, H, T, d_vo)
         heads = heads.transpose(1, 2).reshape(b, t, self.n_heads * self.d_vo)  # (B, T, H*d_vo)
         return self.w_o(heads)  # (B, T, D)
@@ -314,7 +261,7 @@ class Block(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # (B, T, D)
-        cache: KVCache | None = None,
+        cache: KVCache | StaticKVCache | None = None,
         layer: int = 0,
         key_mask: torch.Tensor | None = None,  # (B, Tk) bool, False at padding
     ) -> torch.Tensor:
@@ -432,7 +379,7 @@ class Transformer(nn.Module):
     def forward(
         self,
         ids: torch.Tensor,  # (B, T) LongTensor
-        cache: KVCache | None = None,
+        cache: KVCache | StaticKVCache | None = None,
         mask: torch.Tensor | None = None,  # (B, T) bool: False at padding
     ) -> torch.Tensor:  # (B, T, V)
         """Logits of every position. With a cache, ids are the next T tokens after the cache's
@@ -448,29 +395,27 @@ class Transformer(nn.Module):
     def hidden_states(
         self,
         ids: torch.Tensor,  # (B, T) LongTensor
-        cache: KVCache | None = None,
+        cache: KVCache | StaticKVCache | None = None,
         mask: torch.Tensor | None = None,  # (B, T) bool: False at padding
     ) -> torch.Tensor:  # (B, T, D)
         """The last hidden states: everything `forward` does before the unembedding."""
         if ids.dim() != 2:
             raise ValueError(f"expected token ids of shape (B, T), got {tuple(ids.shape)}")
-        start, t = (cache.length if cache is not None else 0), ids.shape[1]
-        if cache is not None and start + t > cache.capacity:
-            raise ValueError(f"KV cache of {cache.capacity} positions cannot take {start + t}")
-        key_mask = cache.track_padding(mask, t) if cache is not None else mask  # (B, start+T) or None
+        t = ids.shape[1]
+        span = cache.begin(mask, t) if cache is not None else uncached_span(mask, t)
         x = self.tok_emb(ids)  # (B, T, D)
-        if key_mask is None:
-            pos = self.positions(start, t)  # (T, D)
-        else:  # padding before a row's first token counts as position 0; it is never attended to
-            pos = self.positions.per_row((key_mask.cumsum(1)[:, start:] - 1).clamp_min(0))  # (B, T, D)
+        if span.row_positions is None:
+            pos = self.positions(span.start, t)  # (T, D)
+        else:  # every row numbered on its own
+            pos = self.positions.per_row(span.row_positions, checked=not span.clamped)  # (B, T, D)
         if pos is not None:
             x = x + pos.to(x.dtype)
         for layer, block in enumerate(self.blocks):
-            x = block(x, cache, layer, key_mask)
+            x = block(x, cache, layer, span.key_mask)
         if self.final_norm is not None:
             x = self.final_norm(x)
         if cache is not None:
-            cache.length = start + ids.shape[1]
+            cache.advance(t)
         return x  # (B, T, D)
 
     def loss(self, tokens: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:

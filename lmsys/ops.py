@@ -128,16 +128,21 @@ def attention(
     kernels: str = "auto",
     softmax: str = "row",
     key_mask: torch.Tensor | None = None,  # (B, Tk) bool: False at padding keys
+    query_slots: torch.Tensor | None = None,  # (Tq,) the queries' key slots; None: the last Tq
 ) -> torch.Tensor:  # (B, H, Tq, d_vo)
     """softmax(scale * Q K^T + M) V per head. With Tq < Tk (decoding with a KV cache) the queries
-    are the last Tq positions, so the causal mask is aligned to the bottom-right corner. With a
-    key_mask (a padded batch) the padding keys are hidden from every query (padded_attention)."""
+    are the last Tq positions, so the causal mask is aligned to the bottom-right corner, unless
+    `query_slots` places them (a static cache: keys past them are not filled yet, and key_mask
+    hides them). With a key_mask (a padded batch) the padding keys are hidden from every query
+    (padded_attention)."""
     if key_mask is not None:
         if softmax == "matrix":
             raise ValueError(
                 "attention.softmax=matrix normalises over the whole matrix: it cannot take padding"
             )
-        return padded_attention(q, k, v, key_mask, causal=causal, scale=scale)
+        return padded_attention(q, k, v, key_mask, causal=causal, scale=scale, query_slots=query_slots)
+    if query_slots is not None:
+        raise ValueError("attention with query_slots needs the key_mask of the filled slots")
     if softmax == "matrix":
         return matrix_softmax_attention(q, k, v, causal=causal, scale=scale)
     same_length = q.shape[2] == k.shape[2]
@@ -163,6 +168,7 @@ def padded_attention(
     *,
     causal: bool,
     scale: float,
+    query_slots: torch.Tensor | None = None,  # (Tq,) the queries' slots; None: the last Tq
 ) -> torch.Tensor:  # (B, H, Tq, d_vo)
     """Row-softmax attention of a padded batch, in torch (the flash kernel takes no mask).
 
@@ -171,7 +177,9 @@ def padded_attention(
     NaN whose 0 * NaN would then reach real rows through the values): it sees its own slot
     instead, which keeps it finite; its output is never read."""
     t_q, t_k = q.shape[2], k.shape[2]
-    query_slot = torch.arange(t_k - t_q, t_k, device=q.device)[:, None]  # (Tq, 1)
+    if query_slots is None:
+        query_slots = torch.arange(t_k - t_q, t_k, device=q.device)
+    query_slot = query_slots[:, None]  # (Tq, 1)
     key_slot = torch.arange(t_k, device=q.device)[None, :]  # (1, Tk)
     visible = key_mask[:, None, None, :]  # (B, 1, 1, Tk)
     if causal:

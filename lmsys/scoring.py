@@ -23,7 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-from lmsys.model import KVCache, autoregressive, next_token_pairs
+from lmsys.kv_cache import KVCache
+from lmsys.model import autoregressive, next_token_pairs
 
 Pair = tuple[Sequence[int], Sequence[int]]  # (context ids, continuation ids)
 

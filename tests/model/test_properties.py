@@ -7,7 +7,8 @@ import torch
 
 from lmsys.config import compose, compose_model
 from lmsys.errors import ConfigError
-from lmsys.model import KVCache, Transformer, weighted_next_token_loss
+from lmsys.kv_cache import KVCache
+from lmsys.model import Transformer, weighted_next_token_loss
 from tests.model import references as ref
 
 SMALL = ["vocab_size=31", "d_model=16", "n_heads=4", "n_layers=2", "max_seq_len=12", "ffn.d_ff=24"]
