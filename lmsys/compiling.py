@@ -1,99 +1,191 @@
-"""torch.compile for lmsys (`trainer.compile=auto|true|false`, `lmsys-generate compile=...`).
+"""torch.compile for lmsys: `trainer.compile=auto|true|false` (training and its evaluation), and
+the `compile=` option of lmsys-generate and lmsys-eval.
 
-What is compiled: the module the DeepSpeed engine runs (the loss of `Transformer`, so training
-steps and evaluation) with `nn.Module.compile()`, in place, so the state-dict keys, and with them
-checkpoints and exports, are the same as eager; for generation, the model's forward with dynamic
-shapes (the KV cache grows by one position per token: one graph for the prompt and one for every
-later step, not one per token). The Triton kernels are torch custom ops (kernels/library.py), so
-dynamo traces through them.
+What is compiled, and why there:
+- Training at ZeRO 0-2: the module the DeepSpeed engine runs (the model's loss), with
+  `nn.Module.compile()`, in place, so the state-dict keys, and with them checkpoints and exports,
+  are those of an eager run. One graph for the training step, one for evaluation (no gradients).
+- Training at ZeRO-3: each block's forward (`compile_blocks`, torchtitan's per-block compile).
+  ZeRO-3 gathers a module's partitioned parameters in hooks around its `__call__`; traced through
+  them, dynamo sees the parameters while they are still partitioned (size 0) and fails, DeepSpeed's
+  own `engine.compile()` included (its DeepCompile is CUDA-only). lmsys.engine makes each block a
+  ZeRO-3 leaf module (all its parameters gathered at once by the block's hooks) and the compiled
+  forward runs inside them. The blocks share one code object: one graph serves them all.
+- Generation: the model's forward with a StaticKVCache (lmsys.model), whose shapes never change
+  while tokens are generated: one graph for the prompts (their width and the cache's length are
+  marked dynamic, `vary`) and one for the decode step; none per token.
+- lmsys-eval: the model's forward on windows padded to a full batch: one graph.
+The Triton kernels are torch custom ops (kernels/library.py), so dynamo traces through them.
 
-auto compiles on CUDA and runs eager elsewhere (on a CPU inductor's C++ code takes minutes to
-build for a small gain); a compile failure under auto falls back to eager (dynamo's
-suppress_errors) with one warning; under true it is an error.
+`auto` compiles on CUDA and runs eager elsewhere (on a CPU inductor spends tens of seconds per
+graph building C++ for little gain). Under `auto` a compile failure runs that code eager instead
+(dynamo's suppress_errors) with one warning; under `true` it is one error line (`compile_errors`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 from torch import nn
 
-from lmsys.cli import one_line
+from lmsys.cli import Option, one_line
+from lmsys.config import COMPILE_CHOICES
 from lmsys.console import Console
 from lmsys.errors import ConfigError, LmsysError
 
-T = TypeVar("T")
+# `compile=` of lmsys-generate and lmsys-eval: trainer.compile's choices and meaning
+COMPILE_OPTION = Option(
+    "compile", "choice", "auto", "torch.compile the model: auto (on CUDA), true, false", COMPILE_CHOICES
+)
 
 
 def wants_compile(choice: str, device: torch.device) -> bool:
-    """Whether `choice` compiles on `device`."""
+    """Whether `choice` (auto, true, false) compiles on `device`."""
     return device.type == "cuda" if choice == "auto" else choice == "true"
+
+
+def _configure(strict: bool) -> None:
+    import torch._dynamo  # late: only runs that compile pay for dynamo's configuration
+
+    torch._dynamo.config.suppress_errors = not strict
 
 
 def compile_module(module: nn.Module, strict: bool, dynamic: bool | None = None) -> None:
     """Compile `module`'s forward in place (inductor). strict=False (auto): a frame that fails to
     compile runs eager instead."""
-    import torch._dynamo  # late: only runs that compile pay for dynamo's configuration
-
-    torch._dynamo.config.suppress_errors = not strict
+    _configure(strict)
     module.compile(dynamic=dynamic)
+
+
+def compile_blocks(blocks: Iterable[nn.Module], strict: bool) -> int:
+    """Compile each block's forward (inductor), leaving its `__call__` and the hooks around it
+    eager (ZeRO-3's parameter gathers). Returns the number of blocks."""
+    _configure(strict)
+    n = 0
+    for block in blocks:
+        block.forward = torch.compile(block.forward)
+        n += 1
+    return n
+
+
+def vary(tensor: torch.Tensor, *dims: int) -> torch.Tensor:
+    """Tell torch.compile that `tensor`'s sizes along `dims` change between calls, so that one
+    graph serves every size instead of one graph per size (a no-op without compile)."""
+    import torch._dynamo  # late: see _configure
+
+    for dim in dims:
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    return tensor
 
 
 @dataclass(frozen=True)
 class CompileStats:
-    """Dynamo's process-wide counts so far."""
+    """Dynamo's counts: process-wide, or since an earlier reading (`compile_stats(since)`)."""
 
     graphs: int  # frames compiled into a graph (a recompilation adds one)
     graph_breaks: int
     seconds: float  # compiling, forward and backward graphs
 
+    def __sub__(self, other: CompileStats) -> CompileStats:
+        return CompileStats(
+            self.graphs - other.graphs, self.graph_breaks - other.graph_breaks, self.seconds - other.seconds
+        )
 
-def compile_stats() -> CompileStats:
-    from torch._dynamo.utils import calculate_time_spent, counters  # late: see compile_module
+
+def compile_stats(since: CompileStats | None = None) -> CompileStats:
+    """Dynamo's counts so far in this process, or since `since` (a sweep's jobs share a process)."""
+    from torch._dynamo.utils import calculate_time_spent, counters  # late: see _configure
 
     times = calculate_time_spent()
     seconds = times.get("entire_frame_compile", 0.0) + times.get("entire_backward_compile", 0.0)
-    return CompileStats(
+    now = CompileStats(
         graphs=int(counters["stats"]["unique_graphs"]),
         graph_breaks=int(sum(counters["graph_break"].values())),
         seconds=float(seconds),
     )
+    return now if since is None else now - since
 
 
-def strict_compile(step: Callable[[int], T], number: int) -> T:
-    """Run the first step of a trainer.compile=true launch, where dynamo compiles: a failure is
-    one error line (ConfigError, exit 2: the configuration is unsupported), not its traceback."""
+@contextlib.contextmanager
+def compile_errors(setting: str, eager: str) -> Iterator[None]:
+    """For `setting`=true: a torch.compile failure inside the block (dynamo's or inductor's) is one
+    error line (ConfigError, exit 2: the configuration is unsupported) instead of its traceback;
+    `eager` says how to run without compiling. Other errors pass unchanged."""
+    from torch._dynamo.exc import TorchDynamoException  # late: see _configure
+
     try:
-        return step(number)
-    except Exception as exc:
+        yield
+    except TorchDynamoException as exc:
         if isinstance(exc, LmsysError):
             raise
         raise ConfigError(
-            f"trainer.compile=true: torch.compile failed on this model and device ({type(exc).__name__}: "
-            f"{one_line(exc)}); "
-            "trainer.compile=false trains eager"
+            f"{setting}=true: torch.compile failed on this model and device ({type(exc).__name__}: "
+            f"{one_line(exc)}); {eager}"
         ) from exc
 
 
-def say_first_compile(console: Console, first_step_s: float) -> None:
-    """Once, after a compiled launch's first step: what was compiled and how long it took, or
-    (auto, after dynamo fell back) a warning that the run is eager."""
-    stats = compile_stats()
+def describe_compile(stats: CompileStats, detail: str) -> str | None:
+    """`torch.compile: 2 graph(s), 0 graph break(s), compiled in 3.1 s (<detail>)`, or None when
+    nothing compiled (under auto, dynamo fell back to eager)."""
     if stats.graphs == 0:
-        console.warn("torch.compile failed on this model and device; training runs eager")
-        return
-    console.say(
-        f"{console.prog}: torch.compile: {stats.graphs} graph(s), {stats.graph_breaks} graph break(s), "
-        f"compiled in {stats.seconds:.1f} s (the first step took {first_step_s:.1f} s)"
-    )
-
-
-def compile_summary() -> str:
-    stats = compile_stats()
+        return None
     return (
-        f"torch.compile: {stats.graphs} graph(s) in all (the training step; evaluation, without "
-        f"gradients, has its own), {stats.seconds:.1f} s compiling"
+        f"torch.compile: {stats.graphs} graph(s), {stats.graph_breaks} graph break(s), "
+        f"compiled in {stats.seconds:.1f} s ({detail})"
     )
+
+
+def _fell_back(outcome: str) -> str:
+    return f"torch.compile failed on this model and device; {outcome}"
+
+
+def say_compiled(console: Console, stats: CompileStats, what: str, first_s: float) -> None:
+    """Once, after the first compiled step of a training run: what was compiled and how long it
+    took, or (auto, after dynamo fell back) a warning that `what` runs eager."""
+    line = describe_compile(stats, f"the first step took {first_s:.1f} s")
+    if line is None:
+        console.warn(_fell_back(f"{what} runs eager"))
+    else:
+        console.say(f"{console.prog}: {line}")
+
+
+def compile_summary(stats: CompileStats, what: str) -> str:
+    """The end-of-run line: every graph built, with what they were for."""
+    return f"torch.compile: {stats.graphs} graph(s) in all ({what}), {stats.seconds:.1f} s compiling"
+
+
+@contextlib.contextmanager
+def compiled_for_cli(
+    choice: str,
+    device: torch.device,
+    prog: str,
+    work: str,
+    warn: Callable[[str], None],
+) -> Iterator[Callable[[nn.Module], bool]]:
+    """`compile=<choice>` of a CLI that runs models for `work` (generation, evaluation). Yields
+    `compile_model(model) -> bool`, which compiles a model in place when the choice says so
+    (and says whether it did); under true a compile failure inside the block is one error line.
+    Afterwards one line on stderr says what was compiled, or `warn` says that the work ran eager
+    (auto, after a failure)."""
+    enabled, strict = wants_compile(choice, device), choice == "true"
+
+    def compile_model(model: nn.Module) -> bool:
+        if enabled:
+            compile_module(model, strict=strict)
+        return enabled
+
+    if not enabled:
+        yield compile_model
+        return
+    start = compile_stats()
+    with compile_errors("compile", "compile=false runs eager") if strict else contextlib.nullcontext():
+        yield compile_model
+    line = describe_compile(compile_stats(start), f"for {work}")
+    if line is None:
+        warn(_fell_back(f"{work} ran eager"))
+    else:
+        print(f"{prog}: {line}", file=sys.stderr, flush=True)

@@ -7,10 +7,12 @@ Parallelism is applied to the single-device `Transformer` from outside, in this 
    `torch.utils.checkpoint` (recomputed in the backward) when deepspeed.activation_checkpointing.
 2. `LossModule`: the engine's forward is the model's loss, so DeepSpeed sees one module whose
    output is the scalar to differentiate.
-3. `build_optimizer`: AdamW, weight decay only on matrices (>= 2-D weights, embeddings
+3. `apply_compile` (trainer.compile): torch.compile of the loss module (ZeRO 0-2) or of each
+   block (ZeRO-3, blocks made ZeRO-3 leaf modules), before DeepSpeed registers its hooks.
+4. `build_optimizer`: AdamW, weight decay only on matrices (>= 2-D weights, embeddings
    included); torch's AdamW on CPU, DeepSpeed's fused Adam on CUDA (its CPU Adam when the
    optimizer state is offloaded).
-4. `deepspeed_config` + `deepspeed.initialize`: the DeepSpeed JSON generated from the config
+5. `deepspeed_config` + `deepspeed.initialize`: the DeepSpeed JSON generated from the config
    groups (ZeRO stage and offload, precision, micro-batch, accumulation, clipping).
 
 During training `optimizer_step` is the accumulation boundary: it applies the update or, for a
@@ -50,7 +52,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from lmsys.compiling import compile_module, wants_compile
+from lmsys.compiling import compile_blocks, compile_module, wants_compile
 from lmsys.config import Config, OptimConfig, compile_choice
 from lmsys.errors import CheckpointError
 from lmsys.runtime import BatchPlan
@@ -162,6 +164,24 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
 
         block.forward = forward
     return len(blocks)
+
+
+def apply_compile(model: nn.Module, module: LossModule, stage: int, strict: bool) -> None:
+    """torch.compile what the engine will run (lmsys.compiling says why each way): at ZeRO 0-2 the
+    whole loss module, in place; at ZeRO-3 each block's forward, every block a ZeRO-3 leaf module
+    so that its own hooks gather all its parameters before the compiled forward runs (and no hook
+    of its submodules fires inside it)."""
+    if stage < 3:
+        compile_module(module, strict=strict)
+        return
+    from deepspeed.utils import set_z3_leaf_module  # late: see the module docstring
+
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        raise TypeError("compiling at ZeRO-3 needs a model with a `blocks` ModuleList")
+    for block in blocks:
+        set_z3_leaf_module(block, True)
+    compile_blocks(blocks, strict=strict)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -306,8 +326,8 @@ def initialize(
     module = LossModule(model)
     choice = compile_choice(cfg.trainer.compile)  # validated by lmsys.config
     compiled = wants_compile(choice, device)
-    if compiled:  # before DeepSpeed wraps it: the engine calls the compiled forward
-        compile_module(module, strict=choice == "true")
+    if compiled:  # before DeepSpeed wraps it (and registers its ZeRO-3 hooks)
+        apply_compile(model, module, cfg.deepspeed.stage, strict=choice == "true")
     client_opt, opt_section, groups, opt_kind = build_optimizer(model, cfg, device)
     ds_config = deepspeed_config(cfg, plan, device, precision, opt_section)
     engine, _, _, _ = deepspeed.initialize(

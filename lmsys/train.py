@@ -46,7 +46,7 @@ from lmsys import checkpoint as ckpt
 from lmsys import engine as eng
 from lmsys import rundir
 from lmsys.cli import report_error, run_cli
-from lmsys.compiling import compile_summary, say_first_compile, strict_compile
+from lmsys.compiling import compile_errors, compile_stats, compile_summary, say_compiled
 from lmsys.config import CONF_DIR, Config, compose, config_to_dict, to_config
 from lmsys.console import Console, StepReport
 from lmsys.data import Batch, TokenLoader
@@ -105,6 +105,8 @@ class Trainer:
             model, cfg, plan, setup.device, setup.precision
         )
         self.engine_seconds = time.perf_counter() - started
+        # dynamo's counters are process-wide (a sweep's jobs share a process): this run counts from here
+        self.compile_start = compile_stats() if self.engine_info.compiled else None
         self.loader = TokenLoader(
             data,
             "train",
@@ -335,7 +337,7 @@ class Trainer:
         if result.outcome.applied and not self.stats_written:
             self._write_engine_stats()
         if self.engine_info.compiled and result.step == self.start_step + 1:
-            say_first_compile(self.console, result.seconds)
+            say_compiled(self.console, compile_stats(self.compile_start), "training", result.seconds)
         tokens_per_s = plan.tokens_per_step / result.seconds
         utilisation = mfu(self.flops_per_token, tokens_per_s, self.peak_flops, plan.world_size)
         if self.logger is not None:
@@ -463,8 +465,11 @@ class Trainer:
         try:
             with self.console.progress(total=t.max_steps, initial=self.start_step):
                 for step in range(self.start_step + 1, t.max_steps + 1):
-                    first = step == self.start_step + 1 and self.engine_info.compile_strict
-                    result = strict_compile(self.train_step, step) if first else self.train_step(step)
+                    if step == self.start_step + 1 and self.engine_info.compile_strict:
+                        with compile_errors("trainer.compile", "trainer.compile=false trains eager"):
+                            result = self.train_step(step)
+                    else:
+                        result = self.train_step(step)
                     self.record(result, time.perf_counter() - started)
                     if step % t.eval_interval == 0 or step == t.max_steps:
                         self.evaluate_and_log(step, result.loss)
@@ -540,7 +545,8 @@ class Trainer:
                 f"loss {first} -> {last}{val}"
             )
         if self.engine_info.compiled:
-            self.console.say(f"{PROG}: {compile_summary()}")
+            graphs = "the training step; evaluation, without gradients, has its own"
+            self.console.say(f"{PROG}: {compile_summary(compile_stats(self.compile_start), graphs)}")
         self.console.say(f"{PROG}: run directory: {self.run_dir.resolve()}")
         if wandb_line:
             self.console.say(f"{PROG}: {wandb_line}")

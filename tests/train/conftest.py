@@ -198,11 +198,14 @@ LAUNCHES["fused"] = Launch(
 LAUNCHES["fused1"] = Launch(
     1, ("trainer.micro_batch_size=8", "model.loss_impl=fused"), ("1proc-fused",), "1proc-fused"
 )
-# torch.compile (inductor) on 2 ranks at ZeRO-2, against the eager 2proc-zero2 run
+# torch.compile (inductor) on 2 ranks at ZeRO-2 (the loss module) and ZeRO-3 (each block), one
+# sweep in one process per rank, against the eager 2proc-zero2 and 2proc-zero3 runs
 LAUNCHES["compiled"] = Launch(
-    2, ("deepspeed=zero2", "trainer.micro_batch_size=4", "trainer.compile=true"), ("2proc-zero2-compiled",),
-    "2proc-zero2-compiled",
-)  # fmt: skip
+    2,
+    ("-m", "deepspeed=zero2,zero3", "trainer.micro_batch_size=4", "trainer.compile=true"),
+    ("2proc-zero2-compiled", "2proc-zero3-compiled"),
+    "2proc-zero${deepspeed.stage}-compiled",
+)
 CASES = {case: launch for launch, spec in LAUNCHES.items() for case in spec.cases}
 
 
@@ -226,7 +229,7 @@ class RunCache:
         elif case.endswith("-tiny"):
             plain.append("model=tiny")
         for o in spec.overrides:
-            if o.startswith("deepspeed=zero0,"):
+            if o.startswith("deepspeed=zero") and "," in o:  # a sweep over stages: this case's
                 stage = re.search(r"zero(\d)", case)
                 assert stage is not None
                 plain.append(f"deepspeed=zero{stage.group(1)}")
