@@ -33,6 +33,9 @@ prints lm_eval's results table: the shortcut of `python -m lmsys.harness --model
 dtype and tokenizer go to the model; num_fewshot and limit to lm_eval; json= gets lm_eval's
 results. It needs the `eval` extra (pip install 'lmsys[eval]').
 
+compile=auto|true|false (auto: on CUDA) compiles the model with torch.compile for perplexity runs;
+every forward is then a full batch (the last one padded with copies of its last window): one graph.
+
 Errors print one line `lmsys-eval: error: ...` on stderr and exit 2.
 """
 
@@ -51,6 +54,7 @@ import torch.nn.functional as F
 
 from lmsys.checkpoint import list_checkpoints, resolve
 from lmsys.cli import Option, parse_options, run_cli, warn
+from lmsys.compiling import COMPILE_OPTION, compiled_for_cli
 from lmsys.errors import LmsysError, UsageError
 from lmsys.export import TOKENIZER_OPTION, load_model
 from lmsys.model import next_token_pairs, tokens_per_sample
@@ -110,9 +114,12 @@ def token_nll(
     seq_len: int | None = None,
     batch_size: int = 8,
     first_context: int = 2,
+    full_batches: bool = False,
 ) -> torch.Tensor:
     """Negative log-likelihood (nats, float64) of every token of `tokens` (1-D), in windows of
-    `seq_len` (see the module docstring for the context each window's first token gets)."""
+    `seq_len` (see the module docstring for the context each window's first token gets).
+    full_batches=True (a compiled model) pads every forward to batch_size windows, repeating
+    the last one, so that every forward has the same shape (one graph)."""
     cfg = model.cfg
     seq_len = seq_len or cfg.max_seq_len
     if seq_len < 1:
@@ -137,19 +144,24 @@ def token_nll(
     for b in range(0, len(starts), batch_size):
         group = starts[b : b + batch_size]
         samples = torch.stack([padded[s + 1 - lead : s + 1 + seq_len] for s in group])  # (B, lead + L)
-        out[group[0] : group[-1] + seq_len] = _window_nll(model, samples, device).flatten()
+        rows = batch_size if full_batches else len(group)
+        out[group[0] : group[-1] + seq_len] = _window_nll(model, samples, device, rows).flatten()
     s = n_full * seq_len
     if s < n:  # the rest: a window ending at the stream's end, with as much context as it holds
         first = max(0, n - seq_len) + 1 - lead  # in padded
-        out[s:] = _window_nll(model, padded[first:][None], device).flatten()[s - n :]
+        rows = batch_size if full_batches else 1
+        out[s:] = _window_nll(model, padded[first:][None], device, rows).flatten()[s - n :]
     return out
 
 
-def _window_nll(model, samples: torch.Tensor, device: torch.device) -> torch.Tensor:
-    inputs, targets, _ = next_token_pairs(model.cfg, samples)  # (B, S) each
-    logits = model(inputs.to(device)).float()  # (B, S, V)
+def _window_nll(model, samples: torch.Tensor, device: torch.device, rows: int) -> torch.Tensor:
+    """NLL (B, S) of the windows samples (B, lead + S), run as a batch of `rows` >= B windows
+    (the last one repeated)."""
+    filled = torch.cat([samples, samples[-1:].expand(rows - len(samples), -1)])  # (rows, lead + S)
+    inputs, targets, _ = next_token_pairs(model.cfg, filled)  # (rows, S) each
+    logits = model(inputs.to(device)).float()  # (rows, S, V)
     nll = F.cross_entropy(logits.flatten(0, 1), targets.to(device).flatten(), reduction="none")
-    return nll.view_as(targets).double().cpu()
+    return nll.view_as(targets)[: len(samples)].double().cpu()
 
 
 def decoded_bytes(tokenizer, tokens: np.ndarray, eos_id: int, chunk: int = 1 << 20) -> int:
@@ -174,8 +186,9 @@ def evaluate_tokens(
     seq_len: int | None = None,
     batch_size: int = 8,
     n_bytes: int | None = None,
+    full_batches: bool = False,
 ) -> EvalResult:
-    nll = token_nll(model, tokens, seq_len, batch_size, first_context=tokenizer.eos_id)
+    nll = token_nll(model, tokens, seq_len, batch_size, tokenizer.eos_id, full_batches)
     if n_bytes is None:
         n_bytes = decoded_bytes(tokenizer, np.asarray(tokens), tokenizer.eos_id)
     return EvalResult(tokens=int(nll.numel()), bytes=int(n_bytes), nll=float(nll.sum().item()))
@@ -188,6 +201,7 @@ def evaluate_text(
     seq_len: int | None = None,
     batch_size: int = 8,
     max_tokens: int | None = None,
+    full_batches: bool = False,
 ) -> EvalResult:
     """Score a text: its tokens (the whole text, or its first max_tokens tokens)."""
     tokens = np.asarray(tokenizer.encode(text), dtype=np.int64)
@@ -197,7 +211,7 @@ def evaluate_text(
     if max_tokens and max_tokens < len(tokens):
         tokens = tokens[:max_tokens]
         n_bytes = None  # the decoded prefix's bytes
-    return evaluate_tokens(model, tokenizer, tokens, seq_len, batch_size, n_bytes)
+    return evaluate_tokens(model, tokenizer, tokens, seq_len, batch_size, n_bytes, full_batches)
 
 
 def split_tokens(data_dir: str | Path, tokenizer, split: str = "val") -> np.ndarray:
@@ -244,17 +258,19 @@ def pick_source(opts: dict, checkpoint_config: dict | None) -> Source:
     raise UsageError("give text=FILE or data=DIR (a prepared data directory) to evaluate on")
 
 
-def evaluate_source(model, tokenizer, source: Source, opts: dict) -> EvalResult:
+def evaluate_source(model, tokenizer, source: Source, opts: dict, full_batches: bool = False) -> EvalResult:
+    """The model on the source, as opts say; full_batches for a compiled model (token_nll)."""
     if source.kind == "text":
         try:
             text = source.path.read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
             raise EvalError(f"text={source.path} is not UTF-8 ({exc.reason} at byte {exc.start})") from None
-        return evaluate_text(model, tokenizer, text, opts["seq_len"], opts["batch_size"], opts["max_tokens"])
+        batching = (opts["batch_size"], opts["max_tokens"], full_batches)
+        return evaluate_text(model, tokenizer, text, opts["seq_len"], *batching)
     tokens = split_tokens(source.path, tokenizer, opts["split"])
     if opts["max_tokens"]:
         tokens = tokens[: opts["max_tokens"]]
-    return evaluate_tokens(model, tokenizer, tokens, opts["seq_len"], opts["batch_size"])
+    return evaluate_tokens(model, tokenizer, tokens, opts["seq_len"], opts["batch_size"], None, full_batches)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -274,6 +290,7 @@ OPTIONS = [
     Option("include_path", "str", None, "directory of lm_eval task YAML files (harness=)"),
     Option("num_fewshot", "int", None, "few-shot examples per task (harness=; default: the task's)"),
     Option("limit", "float", None, "examples per task at most, or a fraction if < 1 (harness=)"),
+    COMPILE_OPTION,
     DEVICE_OPTION,
     DTYPE_OPTION,
     TOKENIZER_OPTION,
@@ -294,12 +311,18 @@ def _summary_line(result: EvalResult) -> str:
     )
 
 
+def _compiling(opts: dict, device: torch.device):
+    """compile= (lmsys.compiling.compiled_for_cli) for the evaluations of one call."""
+    return compiled_for_cli(opts["compile"], device, PROG, "evaluation", lambda m: warn(PROG, m))
+
+
 def _evaluate_model(opts: dict, device: torch.device, dtype: torch.dtype) -> None:
     path = Path(opts["model"])
     model, tok, meta = load_model(path, device, dtype, opts["tokenizer"], warn=lambda m: warn(PROG, m))
     prepare_kernels(model.cfg.kernels, device, next(model.parameters()).dtype)
     source = pick_source(opts, meta.get("train_config"))
-    result = evaluate_source(model, tok, source, opts)
+    with _compiling(opts, device) as compile_model:
+        result = evaluate_source(model, tok, source, opts, full_batches=compile_model(model))
     print(f"{PROG}: {path} on {source.label}")
     print(f"{PROG}: {_summary_line(result)}")
     if opts["json"]:
@@ -321,21 +344,22 @@ def _evaluate_run(opts: dict, device: torch.device, dtype: torch.dtype) -> None:
     rows = []
     print(f"{PROG}: {run}: {len(tags)} checkpoint(s) on {source.label}")
     print(f"{'step':>9} {'tokens':>10} {'loss':>9} {'ppl':>10} {'bits/byte':>10}  checkpoint")
-    for tag_dir in tags:
-        try:
-            model, tok, meta = load_model(tag_dir, device, dtype, opts["tokenizer"])
-        except LmsysError as exc:
-            warn(PROG, f"skipping {tag_dir.name}: {exc}")
-            continue
-        prepare_kernels(model.cfg.kernels, device, next(model.parameters()).dtype)
-        result = evaluate_source(model, tok, source, opts)
-        row = {"step": int(meta.get("step") or 0), "checkpoint": tag_dir.name, **result.as_dict()}
-        rows.append(row)
-        print(
-            f"{row['step']:>9,} {result.tokens:>10,} {result.loss:>9.4f} {result.perplexity:>10.3f} "
-            f"{result.bits_per_byte:>10.4f}  {tag_dir.name}",
-            flush=True,
-        )
+    with _compiling(opts, device) as compile_model:  # every checkpoint's model: one graph serves all
+        for tag_dir in tags:
+            try:
+                model, tok, meta = load_model(tag_dir, device, dtype, opts["tokenizer"])
+            except LmsysError as exc:
+                warn(PROG, f"skipping {tag_dir.name}: {exc}")
+                continue
+            prepare_kernels(model.cfg.kernels, device, next(model.parameters()).dtype)
+            result = evaluate_source(model, tok, source, opts, full_batches=compile_model(model))
+            row = {"step": int(meta.get("step") or 0), "checkpoint": tag_dir.name, **result.as_dict()}
+            rows.append(row)
+            print(
+                f"{row['step']:>9,} {result.tokens:>10,} {result.loss:>9.4f} {result.perplexity:>10.3f} "
+                f"{result.bits_per_byte:>10.4f}  {tag_dir.name}",
+                flush=True,
+            )
     if not rows:
         raise EvalError(f"no checkpoint of {run} could be loaded")
     plot = Path(opts["plot"]) if opts["plot"] else run / EVAL_PLOT_FILE
@@ -383,6 +407,10 @@ def main(argv: list[str] | None = None) -> int:
         if opts["harness"] is not None:
             if not opts["model"]:
                 raise UsageError(f"harness= needs model=; run `{PROG} --help` for the options")
+            if opts["compile"] == "true":
+                raise UsageError(
+                    "compile=true compiles perplexity runs; harness= runs lm_eval's requests eager"
+                )
             _evaluate_harness(opts)
             return 0
         if bool(opts["model"]) == bool(opts["run"]):

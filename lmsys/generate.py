@@ -32,6 +32,10 @@ The KV cache (cache=true, the default) makes each new token cost O(T) instead of
 the whole prefix; cached and uncached generation give the same tokens. Models whose outputs at
 earlier positions depend on later tokens (attention.causal=false, attention.softmax=matrix)
 cannot use a cache and are generated without one.
+
+compile=auto|true|false (auto: on CUDA) compiles the model with torch.compile and decodes through
+a StaticKVCache, whose shapes never change: a prompt graph and a decode graph, none per token; a
+finished row then stays in the batch, unread (lmsys/compiling.py).
 """
 
 from __future__ import annotations
@@ -47,9 +51,11 @@ import torch
 
 from lmsys.cli import Option, parse_options, run_cli
 from lmsys.cli import warn as cli_warn
+from lmsys.compiling import COMPILE_OPTION, compiled_for_cli, vary
 from lmsys.errors import UsageError
 from lmsys.export import TOKENIZER_OPTION, load_model
-from lmsys.model import KVCache, autoregressive, context_prefix
+from lmsys.kv_cache import KVCache, StaticKVCache
+from lmsys.model import autoregressive, context_prefix
 from lmsys.ops import prepare_kernels
 from lmsys.runtime import DEVICE_OPTION, DTYPE_OPTION, resolve_device, resolve_dtype
 
@@ -219,6 +225,18 @@ def _left_padded(prompts: Sequence[Sequence[int]], device: torch.device) -> tupl
     return ids.to(device), mask.to(device)
 
 
+def _static_cache(model, ids: torch.Tensor, mask: torch.Tensor, slots: int) -> StaticKVCache:
+    """A StaticKVCache of `slots` slots for the batch `ids` (B, T), whose width and length
+    torch.compile is told vary (one prompt graph for every batch of this size)."""
+    device, dtype = ids.device, next(model.parameters()).dtype
+    cache = StaticKVCache.empty(model.cfg, ids.shape[0], slots, device, dtype)
+    for tensor in (*cache.keys, *cache.values):
+        vary(tensor, 2)
+    for tensor in (cache.real, ids, mask):
+        vary(tensor, 1)
+    return cache
+
+
 @torch.inference_mode()
 def generate_batch(
     model,
@@ -230,6 +248,7 @@ def generate_batch(
     use_cache: bool = True,
     on_token: Callable[[int, int], None] | None = None,
     stop: Callable[[int, list[int]], bool] | None = None,
+    static_cache: bool = False,
 ) -> list[list[int]]:
     """New token ids after each prompt (each already fitted to the model: see fit_prompt).
 
@@ -240,7 +259,11 @@ def generate_batch(
     can differ). A row stops after eos (not included), after max_new_tokens[i] tokens, or when
     stop(i, its tokens) is true, and then leaves the batch. `on_token(i, token)` sees each new
     token. Without a cache (use_cache=False, or a model that cannot use one) the prompts are
-    generated one after another, each re-running its whole prefix per token."""
+    generated one after another, each re-running its whole prefix per token.
+
+    static_cache=True (a compiled model: lmsys.compiling) keeps every shape of a decode step
+    fixed: a StaticKVCache, and a row that stops stays in the batch (its tokens are not read),
+    so one compiled graph serves every step."""
     sampling.check()
     generators = [_generator(seed) for _ in prompts]
     outputs: list[list[int]] = [[] for _ in prompts]
@@ -257,7 +280,7 @@ def generate_batch(
     active = [row for row in range(len(prompts)) if max_new_tokens[row] > 0]  # batch slot -> row
     if not active:
         return outputs
-    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    device = next(model.parameters()).device
     if not (use_cache and cache_supported(model.cfg)):
         for row in active:  # one prompt at a time, its whole sequence each step
             ids = torch.tensor([list(prompts[row])], dtype=torch.long, device=device)  # (1, T)
@@ -265,23 +288,29 @@ def generate_batch(
                 ids = torch.cat([ids, ids.new_tensor([[outputs[row][-1]]])], dim=1)  # (1, T + 1)
         return outputs
     ids, mask = _left_padded([prompts[row] for row in active], device)  # (B, T)
-    steps = max(max_new_tokens[row] for row in active)
-    cache = KVCache.empty(model.cfg, len(active), ids.shape[1] + steps - 1, device, dtype)
-    padded = not bool(mask.all())
-    logits = model(ids, cache, mask if padded else None)[:, -1]  # (B, V)
+    slots = ids.shape[1] + max(max_new_tokens[row] for row in active) - 1  # the last token is not fed
+    if static_cache:
+        cache: KVCache | StaticKVCache = _static_cache(model, ids, mask, slots)
+        logits = model(ids, cache, mask)[:, -1]  # (B, V)
+    else:
+        cache = KVCache.empty(model.cfg, len(active), slots, device, next(model.parameters()).dtype)
+        logits = model(ids, cache, None if bool(mask.all()) else mask)[:, -1]  # (B, V)
+    live = list(range(len(active)))  # the batch slots still generating
     while True:
         last = logits.float().cpu()  # (B, V): one transfer per step
-        going = []  # the batch slots of the rows that go on
-        for slot, row in enumerate(active):
-            if take(row, next_token(last[slot], sampling, generators[row])):
-                going.append(slot)
-        if not going:
+        live = [
+            slot
+            for slot in live
+            if take(active[slot], next_token(last[slot], sampling, generators[active[slot]]))
+        ]
+        if not live:
             return outputs
-        if len(going) < len(active):  # finished rows leave: the others' numbers do not depend on them
-            cache = cache.select(torch.tensor(going, device=device))
-            active = [active[slot] for slot in going]
-        step = torch.tensor([[outputs[row][-1]] for row in active], dtype=torch.long, device=device)  # (B, 1)
-        logits = model(step, cache)[:, -1]
+        if not static_cache and len(live) < len(active):  # finished rows leave; the others do not see them
+            cache = cache.select(torch.tensor(live, device=device))
+            active, live = [active[slot] for slot in live], list(range(len(live)))
+        going = set(live)
+        step = [[outputs[row][-1] if slot in going else 0] for slot, row in enumerate(active)]
+        logits = model(torch.tensor(step, dtype=torch.long, device=device), cache)[:, -1]  # (B, V)
 
 
 def generate_one(
@@ -293,12 +322,23 @@ def generate_one(
     seed: int | None = None,
     use_cache: bool = True,
     on_token: Callable[[int], None] | None = None,
+    static_cache: bool = False,
 ) -> list[int]:
     """New token ids after one prompt (which must already fit the model: see fit_prompt): a batch
     of one. Stops after eos (not included) or max_new_tokens. With use_cache, the prompt is run
     once to fill a preallocated KV cache and each new token is one position's forward."""
     callback = (lambda _row, token: on_token(token)) if on_token is not None else None
-    return generate_batch(model, [prompt], [max_new_tokens], sampling, eos_id, seed, use_cache, callback)[0]
+    return generate_batch(
+        model,
+        [prompt],
+        [max_new_tokens],
+        sampling,
+        eos_id,
+        seed,
+        use_cache,
+        callback,
+        static_cache=static_cache,
+    )[0]
 
 
 def generate(
@@ -317,9 +357,10 @@ def generate(
     on_long_prompt: str = "error",
     warn: Callable[[str], None] | None = None,
     on_token: Callable[[int, int], None] | None = None,
+    static_cache: bool = False,
 ) -> list[list[int]]:
     """New token ids for each prompt (a (B, T) tensor or a list of id lists of any lengths), in
-    batches of `batch_size` prompts (generate_batch).
+    batches of `batch_size` prompts (generate_batch; static_cache=True for a compiled model).
 
     Every prompt has its own generator seeded with `seed`, so prompt i gives the same tokens
     alone or in a batch. `on_token(i, token)` sees each new token."""
@@ -340,7 +381,9 @@ def generate(
         chunk = planned[start : start + batch_size]
         callback = (lambda row, token, _s=start: on_token(_s + row, token)) if on_token is not None else None
         ids, n_new = [ids for ids, _ in chunk], [n for _, n in chunk]
-        results += generate_batch(model, ids, n_new, sampling, eos_id, seed, use_cache, callback)
+        results += generate_batch(
+            model, ids, n_new, sampling, eos_id, seed, use_cache, callback, static_cache=static_cache
+        )
     return results
 
 
@@ -394,6 +437,7 @@ OPTIONS = [
     Option("stream", "bool", True, "print tokens as they come (single prompt)"),
     Option("echo", "bool", True, "print the prompt before its continuation"),
     Option("output", "choice", "text", "text, or one JSON object per prompt", ("text", "jsonl")),
+    COMPILE_OPTION,
     DEVICE_OPTION,
     DTYPE_OPTION,
     TOKENIZER_OPTION,
@@ -439,6 +483,37 @@ def _print_result(i: int, prompt: str, completion: str, n_tokens: int, opts: dic
     sys.stdout.flush()
 
 
+def _generate_and_print(
+    model, tok, texts, planned, sampling: Sampling, use_cache: bool, static: bool, opts
+) -> None:
+    """One streamed prompt, or padded batches of batch_size prompts printed as each finishes."""
+    if len(texts) == 1 and opts["stream"] and opts["output"] == "text":
+        (ids, n_new), stream = planned[0], TextStream(tok)
+        if opts["echo"]:
+            sys.stdout.write(texts[0])
+            sys.stdout.flush()
+        generate_one(
+            model, ids, n_new, sampling, tok.eos_id, opts["seed"], use_cache, stream, static_cache=static
+        )
+        stream.finish()
+        sys.stdout.write("\n")
+        return
+    for start in range(0, len(planned), opts["batch_size"]):  # one padded batch at a time
+        chunk = planned[start : start + opts["batch_size"]]
+        news = generate_batch(
+            model,
+            [ids for ids, _ in chunk],
+            [n for _, n in chunk],
+            sampling,
+            tok.eos_id,
+            opts["seed"],
+            use_cache,
+            static_cache=static,
+        )
+        for i, new in enumerate(news, start):
+            _print_result(i, texts[i], tok.decode(new), len(new), opts)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
 
@@ -479,28 +554,9 @@ def main(argv: list[str] | None = None) -> int:
             planned.append(
                 fit_prompt(ids, model.cfg, opts["max_new_tokens"], opts["on_long_prompt"], warn, label)
             )
-        if len(texts) == 1 and opts["stream"] and opts["output"] == "text":
-            (ids, n_new), stream = planned[0], TextStream(tok)
-            if opts["echo"]:
-                sys.stdout.write(texts[0])
-                sys.stdout.flush()
-            generate_one(model, ids, n_new, sampling, tok.eos_id, opts["seed"], use_cache, stream)
-            stream.finish()
-            sys.stdout.write("\n")
-            return 0
-        for start in range(0, len(planned), opts["batch_size"]):  # one padded batch at a time
-            chunk = planned[start : start + opts["batch_size"]]
-            news = generate_batch(
-                model,
-                [ids for ids, _ in chunk],
-                [n for _, n in chunk],
-                sampling,
-                tok.eos_id,
-                opts["seed"],
-                use_cache,
-            )
-            for i, new in enumerate(news, start):
-                _print_result(i, texts[i], tok.decode(new), len(new), opts)
+        with compiled_for_cli(opts["compile"], device, PROG, "generation", warn) as compile_model:
+            static = compile_model(model)  # a compiled model decodes through a StaticKVCache
+            _generate_and_print(model, tok, texts, planned, sampling, use_cache, static, opts)
         return 0
 
     return run_cli(PROG, body)

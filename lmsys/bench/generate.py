@@ -12,6 +12,10 @@ the same tokens (checked and printed); the ratios are the figures to report (doc
 every benchmark prints a ratio against a baseline measured in the same run), with the absolute
 numbers and the device. The batch's prompts have different lengths (prompt_tokens * i / batch
 tokens for i = 1..batch), so the batched run pays for its padding.
+
+compile=true adds a third row: the same batch with the model compiled (torch.compile, inductor)
+decoding through a StaticKVCache, against the eager batch of the second row (the untimed warm-up
+call compiles; the graphs and the compile time are printed).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import time
 import torch
 
 from lmsys.cli import Option, parse_options, run_cli
+from lmsys.compiling import compile_module, compile_stats
 from lmsys.config import compose_model
 from lmsys.errors import UsageError
 from lmsys.generate import Sampling, generate_batch, generate_one
@@ -39,6 +44,13 @@ OPTIONS = [
     Option("new_tokens", "int", None, "tokens to generate (default: fill the context window)"),
     Option("repeats", "int", 3, "timed repetitions of each (the best is reported)"),
     Option("batch", "int", 8, "prompts of the batched row"),
+    Option(
+        "compile",
+        "choice",
+        "false",
+        "also time the batch compiled (inductor, static KV cache)",
+        ("true", "false"),
+    ),
     DEVICE_OPTION,
     DTYPE_OPTION,
     Option("threads", "int", None, "CPU threads for torch (default: torch's choice)"),
@@ -70,11 +82,16 @@ def _best(fn, repeats: int, device: torch.device) -> tuple[float, list]:
     return best, out
 
 
-def batch_row(model, n_prompt: int, new: int, batch: int, repeats: int, device: torch.device) -> dict:
-    """`batch` prompts of different lengths generated as one padded batch against one by one."""
+def _batch_prompts(vocab_size: int, n_prompt: int, batch: int) -> list[list[int]]:
+    """`batch` prompts of prompt_tokens * i / batch tokens, i = 1..batch."""
     g = torch.Generator().manual_seed(2)
     lengths = [max(1, n_prompt * (i + 1) // batch) for i in range(batch)]
-    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def batch_row(model, n_prompt: int, new: int, batch: int, repeats: int, device: torch.device) -> dict:
+    """`batch` prompts of different lengths generated as one padded batch against one by one."""
+    prompts = _batch_prompts(model.cfg.vocab_size, n_prompt, batch)
     greedy = Sampling(greedy=True)
     together, batched = _best(lambda: generate_batch(model, prompts, [new] * batch, greedy), repeats, device)
     alone, singles = _best(lambda: [generate_one(model, p, new, greedy) for p in prompts], repeats, device)
@@ -85,6 +102,23 @@ def batch_row(model, n_prompt: int, new: int, batch: int, repeats: int, device: 
         "single_tokens_per_s": tokens / alone,
         "batch_ratio": alone / together,
         "batch_same_tokens": batched == singles,
+        "batch_output": batched,
+    }
+
+
+def compile_row(model, n_prompt: int, new: int, batch: int, repeats: int, device: torch.device) -> dict:
+    """batch_row's batch with the model compiled in place (inductor) and a StaticKVCache."""
+    prompts = _batch_prompts(model.cfg.vocab_size, n_prompt, batch)
+    start = compile_stats()
+    compile_module(model, strict=True)
+    run_once = lambda: generate_batch(model, prompts, [new] * batch, Sampling(greedy=True), static_cache=True)  # noqa: E731
+    seconds, out = _best(run_once, repeats, device)
+    stats = compile_stats(start)
+    return {
+        "compiled_tokens_per_s": sum(len(t) for t in out) / seconds,
+        "compiled_output": out,
+        "compile_graphs": stats.graphs,
+        "compile_seconds": stats.seconds,
     }
 
 
@@ -116,6 +150,12 @@ def run(opts: dict) -> dict:
         results[name] = {"seconds": best, "tokens_per_s": len(tokens) / best, "tokens": tokens}
     same = results["cached"]["tokens"] == results["uncached"]["tokens"]
     batched = batch_row(model, n_prompt, new, opts["batch"], opts["repeats"], device)
+    if opts.get("compile") == "true":  # last: the model is compiled in place
+        compiled = compile_row(model, n_prompt, new, opts["batch"], opts["repeats"], device)
+        batched |= compiled | {
+            "compile_ratio": compiled["compiled_tokens_per_s"] / batched["batch_tokens_per_s"],
+            "compiled_same_tokens": compiled["compiled_output"] == batched["batch_output"],
+        }
     return {
         **batched,
         "preset": opts["preset"],
@@ -154,7 +194,18 @@ def main(argv: list[str] | None = None) -> int:
             f"  one by one   {r['single_tokens_per_s']:10.1f} tokens/s (baseline: {r['batch']} single runs)\n"
             f"  ratio        {r['batch_ratio']:10.2f}x  (same tokens: {batch_same})"
         )
-        return 0 if r["same_tokens"] and r["batch_same_tokens"] else 1
+        ok = r["same_tokens"] and r["batch_same_tokens"]
+        if "compile_ratio" in r:
+            compiled_same = "yes" if r["compiled_same_tokens"] else "NO"
+            print(
+                f"the same batch compiled (torch.compile, inductor; static KV cache): {r['compile_graphs']} "
+                f"graph(s), {r['compile_seconds']:.1f} s compiling\n"
+                f"  compiled     {r['compiled_tokens_per_s']:10.1f} tokens/s\n"
+                f"  eager        {r['batch_tokens_per_s']:10.1f} tokens/s (baseline: the batch above)\n"
+                f"  ratio        {r['compile_ratio']:10.2f}x  (same tokens: {compiled_same})"
+            )
+            ok = ok and r["compiled_same_tokens"]
+        return 0 if ok else 1
 
     return run_cli(PROG, body)
 

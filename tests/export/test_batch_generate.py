@@ -5,7 +5,8 @@ so the padding's content cannot change a bit of any real row (checked with torch
 real rows' logits equal the same rows alone up to float rounding only: a batched matrix product
 or an attention over a longer (padded) key range may sum in another order (1e-7 here), so they
 are compared with atol=1e-5. The tokens are compared exactly: a difference would need two
-logits within that rounding of each other.
+logits within that rounding of each other. Each property holds for both caches: KVCache (eager)
+and StaticKVCache (fixed shapes, what a compiled model decodes through).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 from lmsys.generate import Sampling, fit_prompt, generate, generate_batch, generate_one
-from lmsys.model import KVCache, Transformer
+from lmsys.kv_cache import KVCache, StaticKVCache
+from lmsys.model import Transformer
 from tests.export.conftest import SEQ, VOCAB, small_config
 
 PRESETS = [("tiny", []), ("seed_trax", []), ("seed_postln", []), ("seed_gpt", []),
@@ -42,15 +44,20 @@ def _left_pad(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, tor
     return ids, mask
 
 
+CACHES = {"growing": KVCache, "static": StaticKVCache}
+
+
+@pytest.mark.parametrize("cache_kind", list(CACHES))
 @pytest.mark.parametrize("preset,extra", PRESETS, ids=PRESET_IDS)
 @torch.inference_mode()
-def test_a_padded_batch_computes_each_row_as_alone(preset, extra):
+def test_a_padded_batch_computes_each_row_as_alone(preset, extra, cache_kind):
     """Prompt forward and 4 decoding steps through a KV cache: every real position's logits equal
-    the row's own (unpadded, uncached) forward, with positions counted per row."""
+    the row's own (unpadded, uncached) forward, with positions counted per row. The static cache
+    has 3 slots to spare, never filled: its key mask must hide them."""
     model = _model(preset, extra)
     rows = _prompts([3, 17, 1, 9])
     ids, mask = _left_pad(rows)
-    cache = KVCache.empty(model.cfg, len(rows), ids.shape[1] + 4, ids.device, torch.float32)
+    cache = CACHES[cache_kind].empty(model.cfg, len(rows), ids.shape[1] + 4 + 3, ids.device, torch.float32)
     prompt_logits = model(ids, cache, mask)  # (B, T, V)
     steps = _prompts([4, 4, 4, 4], seed=2)
     step_logits = [model(torch.tensor([[s[k]] for s in steps]), cache)[:, 0] for k in range(4)]  # 4 x (B, V)
@@ -75,15 +82,19 @@ def test_padding_contributes_exactly_nothing(preset, extra):
     assert not torch.equal(model(ids)[mask], model(other)[mask])  # without the mask they would leak
 
 
+@pytest.mark.parametrize("static_cache", [False, True], ids=["growing", "static"])
 @pytest.mark.parametrize("preset,extra", PRESETS, ids=PRESET_IDS)
-def test_batched_generation_gives_each_prompt_its_tokens_alone(preset, extra):
+def test_batched_generation_gives_each_prompt_its_tokens_alone(preset, extra, static_cache):
     """Greedy and sampled, each prompt filling the context window: 6 prompts of 1 to 30 tokens
-    (seed_trax: plus its bos_shift_id) as one batch, then each alone."""
+    (seed_trax: plus its bos_shift_id) as one batch, then each alone (without the static cache).
+    With it, rows that finish early stay in the batch past their window: their positions clamp."""
     model = _model(preset, extra)
     prompts = _prompts(LENGTHS)
     quiet = {"warn": lambda message: None}
     for sampling in ({"greedy": True}, {"temperature": 0.9, "top_k": 50, "top_p": 0.95, "seed": 7}):
-        batch = generate(model, prompts, SEQ, batch_size=len(prompts), **sampling, **quiet)
+        batch = generate(
+            model, prompts, SEQ, batch_size=len(prompts), **sampling, **quiet, static_cache=static_cache
+        )
         alone = [generate(model, [p], SEQ, **sampling, **quiet)[0] for p in prompts]
         assert batch == alone
         room = [fit_prompt(p, model.cfg, SEQ, warn=lambda m: None)[1] for p in prompts]
@@ -101,9 +112,11 @@ def test_models_without_a_cache_generate_batches_one_prompt_at_a_time():
     assert all(len(b) == 6 for b in batch)
 
 
-def test_finished_rows_leave_the_batch_without_changing_the_others(monkeypatch):
+@pytest.mark.parametrize("static_cache", [False, True], ids=["growing", "static"])
+def test_finished_rows_leave_the_batch_without_changing_the_others(monkeypatch, static_cache):
     """A row that meets eos (or its own max_new_tokens, or stop()) leaves: later steps run on
-    fewer rows, and every row still gives its tokens alone."""
+    fewer rows, and every row still gives its tokens alone. With the static cache the batch
+    keeps its width (a compiled step's shapes never change) and the finished rows are not read."""
     model = _model()
     prompts = _prompts([3, 20, 8, 1], seed=4)
     sampling = Sampling(temperature=1.0)
@@ -119,7 +132,9 @@ def test_finished_rows_leave_the_batch_without_changing_the_others(monkeypatch):
     monkeypatch.setattr(model, "forward", spy)
     limits = [12, 12, 5, 12]
     stop = lambda row, tokens: row == 3 and len(tokens) == 7  # noqa: E731
-    batch = generate_batch(model, prompts, limits, sampling, eos_id=eos, seed=5, stop=stop)
+    batch = generate_batch(
+        model, prompts, limits, sampling, eos_id=eos, seed=5, stop=stop, static_cache=static_cache
+    )
     monkeypatch.undo()
     for row, prompt in enumerate(prompts):
         cut = free[row][: free[row].index(eos)] if eos in free[row] else free[row]
@@ -127,7 +142,10 @@ def test_finished_rows_leave_the_batch_without_changing_the_others(monkeypatch):
         assert (
             batch[row] == generate_one(model, prompt, limits[row], sampling, eos, seed=5)[: len(batch[row])]
         )
-    assert widths[0] == 4 and widths[-1] < 4 and widths == sorted(widths, reverse=True)
+    if static_cache:
+        assert widths == [4] * 12  # the prompts, then a step for each token of the longest row
+    else:
+        assert widths[0] == 4 and widths[-1] < 4 and widths == sorted(widths, reverse=True)
 
 
 def test_rows_with_nothing_to_generate():

@@ -255,3 +255,18 @@ def test_generate_benchmark_runs_both_ways_and_compares(capsys):
     assert out.count("(same tokens: yes)") == 2
     ratios = [float(part.split("x")[0]) for part in out.split("ratio")[1:]]
     assert len(ratios) == 2 and min(ratios) > 0
+
+
+@pytest.mark.slow
+def test_generate_benchmark_times_the_batch_compiled(capsys):
+    """compile=true: a third row, the batch compiled with inductor (a prompt graph and a decode
+    graph), the same tokens as the eager batch, and its ratio against it."""
+    from lmsys.bench.__main__ import main
+
+    small = [f"set={o}" for o in ("vocab_size=512", "d_model=32", "n_layers=2", "n_heads=2", "ffn.d_ff=64")]
+    args = ["prompt_tokens=8", "new_tokens=16", "repeats=1", "threads=1", "batch=3", "compile=true", *small]
+    assert main(["generate", *args]) == 0
+    out = capsys.readouterr().out
+    assert "the same batch compiled (torch.compile, inductor; static KV cache): 2 graph(s)" in out
+    assert out.count("(same tokens: yes)") == 3
+    assert float(out.split("ratio")[-1].split("x")[0]) > 0

@@ -1,6 +1,8 @@
 """torch.compile (#14): the Triton kernels' custom ops pass torch.library.opcheck, every preset's
 forward and loss trace into one graph with no graph break, compiled equals eager, and a compiled
-module does not recompile for another batch of the same shape.
+module does not recompile for another batch of the same shape. Generation: the prompt forward and
+the decode step through a StaticKVCache trace with no graph break, and compiled generation gives
+eager's tokens with a bounded number of graphs, none per token.
 
 Tolerances: the "aot_eager" backend runs the captured graph's aten ops as eager does, so logits
 and gradients agree to 1e-6; inductor (tiny, fp32) fuses and reorders reductions: 1e-5 absolute,
@@ -17,6 +19,8 @@ from kernels import library
 from lmsys.compiling import compile_stats
 from lmsys.config import compile_choice, compose, compose_model
 from lmsys.errors import ConfigError
+from lmsys.generate import generate
+from lmsys.kv_cache import StaticKVCache
 from lmsys.model import Transformer
 from tests.conftest import DEVICE
 
@@ -151,3 +155,56 @@ def test_trainer_compile_takes_auto_true_false_only() -> None:
         ConfigError, match=r"trainer.compile=maybe is not valid; choose one of: auto, true, false"
     ):
         compose(["trainer.compile=maybe"])
+
+
+def _left_padded(widths: list[int], seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 37, (len(widths), max(widths)), generator=gen)
+    mask = torch.arange(max(widths))[None, :] >= torch.tensor([max(widths) - w for w in widths])[:, None]
+    return ids.to(DEVICE), mask.to(DEVICE)  # (B, T) each
+
+
+CAUSAL_PRESETS = ["seed_gpt", "seed_trax", "seed_postln", "seed_compact", "gpt2_124m"]  # all a cache takes
+
+
+@pytest.mark.parametrize("preset", CAUSAL_PRESETS)
+@torch.inference_mode()
+def test_generation_steps_have_no_graph_break(preset: str) -> None:
+    """What lmsys-generate compiles: a padded batch of prompts, then one decode step, through a
+    StaticKVCache; each step is one graph. kernels=triton: the norms are the custom ops."""
+    model = small_model(preset, ["kernels=triton"]).eval()
+    ids, mask = _left_padded([3, 9, 6])
+    cache = StaticKVCache.empty(model.cfg, 3, 16, ids.device, torch.float32)
+    prompt = _explain(model, ids, cache, mask)
+    step = _explain(model, ids[:, :1], cache)
+    for what, out in (("prompt", prompt), ("decode step", step)):
+        assert out.graph_break_count == 0 and out.graph_count == 1, (preset, what, out.break_reasons)
+
+
+def test_compiled_generation_gives_eager_tokens_with_no_graph_per_token() -> None:
+    """Greedy and sampled generation with eos in play, compiled (aot_eager: dynamo and
+    AOTAutograd, what inductor is handed) against eager. Graphs: a prompt graph and a decode
+    graph for the first batch size, then any other size (dynamo makes it dynamic), then a batch
+    of one: at most 6, whatever the lengths, and more tokens add none."""
+    model = small_model("tiny", ["kernels=torch"]).eval()
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(1, 37, (n,), generator=gen).tolist() for n in (3, 11, 6, 1, 8, 15, 2)]
+    eos = generate(model, prompts[:1], 4, greedy=True)[0][-1]  # a token greedy decoding reaches
+    runs = [  # (generate's options, batch sizes it makes of the 7 prompts)
+        ({"greedy": True, "eos_id": eos, "batch_size": 3}, "3, 3, 1"),
+        ({"temperature": 0.9, "top_k": 20, "seed": 3, "eos_id": eos, "batch_size": 4}, "4, 3"),
+    ]
+    eager = [generate(model, prompts, 12, **options) for options, _ in runs]
+    assert any(len(tokens) < 12 for tokens in eager[0]), "eos should end some row early"
+    torch._dynamo.reset()
+    model.compile(backend="aot_eager")
+    start = compile_stats()
+    for (options, _), want in zip(runs, eager):
+        assert generate(model, prompts, 12, **options, static_cache=True) == want
+    graphs = compile_stats(start).graphs
+    assert 2 < graphs <= 6, graphs
+    short = [prompts[3], prompts[0], prompts[6]]  # 1, 3 and 2 tokens: room for 20 new ones each
+    longer = generate(model, short, 20, greedy=True, batch_size=2, static_cache=True)
+    assert [len(tokens) for tokens in longer] == [20] * 3  # other lengths, more tokens: no new graph
+    assert compile_stats(start).graphs == graphs
+    assert compile_stats(start).graph_breaks == 0

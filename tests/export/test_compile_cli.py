@@ -1,0 +1,115 @@
+"""compile= of lmsys-generate and lmsys-eval (#14), the real CLIs with inductor: the same output as
+eager, one stderr line saying what was compiled (generation: a prompt graph and a decode graph;
+evaluation: one graph for every batch, the last one padded), a compile failure under true is one
+error line (exit 2), and under auto it runs eager with one warning.
+
+Inductor builds C++ on a CPU (tens of seconds per graph), so each CLI compiles once here, in
+parallel. The failure is a real one: inductor with no working C++ compiler (CXX) and an empty
+inductor cache (a cached graph would need no compiler).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.export.conftest import REPO_ROOT, assert_one_line_error, child_env, cli_command, run_clis
+
+pytestmark = pytest.mark.slow
+
+GENERATE = [
+    "prompt=The",
+    "prompt=Return a new list of the",
+    "greedy=true",
+    "max_new_tokens=12",
+    "output=jsonl",
+]
+
+
+def test_compiled_generation_and_evaluation_print_what_eager_prints(random_export, tokenizer_path, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text(
+        " ".join(f"Return the value of item {i} in the list." for i in range(60)), encoding="utf-8"
+    )
+    evaluate = [f"text={text}", "seq_len=16", "batch_size=4"]  # 8 windows: 4 + 4, then the stream's tail
+    calls = {
+        f"{prog}-{choice}": [module, str(random_export), *args, f"compile={choice}"]
+        for prog, module, args in (
+            ("generate", "lmsys.generate", GENERATE),
+            ("eval", "lmsys.evaluate", evaluate),
+        )
+        for choice in ("false", "true")
+    }
+    procs = run_clis(calls, parallel=4, timeout=600)
+    for name, proc in procs.items():
+        assert proc.returncode == 0, (name, proc.stdout, proc.stderr)
+    eager, compiled = (procs[f"generate-{c}"] for c in ("false", "true"))
+    assert compiled.stdout == eager.stdout
+    assert [json.loads(line)["new_tokens"] for line in compiled.stdout.splitlines()] == [12, 12]
+    assert compiled.stderr.strip().splitlines() == [compiled.stderr.strip()]  # one line, nothing else
+    assert "lmsys-generate: torch.compile: 2 graph(s), 0 graph break(s), compiled in" in compiled.stderr
+    assert "(for generation)" in compiled.stderr and eager.stderr.strip() == ""
+    eager, compiled = (procs[f"eval-{c}"] for c in ("false", "true"))
+    results = [line for line in compiled.stdout.splitlines() if "perplexity" in line]
+    assert results and results == [line for line in eager.stdout.splitlines() if "perplexity" in line]
+    assert "lmsys-eval: torch.compile: 1 graph(s), 0 graph break(s)" in compiled.stderr, compiled.stderr
+
+
+def _without_a_cxx_compiler(tmp_path) -> dict[str, str]:
+    env = child_env()
+    env["CXX"] = str(tmp_path / "no-such-g++")
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor-cache")  # empty: everything must be built
+    return env
+
+
+def test_a_compile_failure_under_true_is_one_error_line(random_export, tmp_path):
+    proc = subprocess.run(
+        cli_command("lmsys.generate", str(random_export), *GENERATE, "compile=true"),
+        cwd=REPO_ROOT,
+        env=_without_a_cxx_compiler(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert_one_line_error(
+        proc, "lmsys-generate", "compile=true: torch.compile failed on this model and device", "C++ compiler",
+        "compile=false runs eager",
+    )  # fmt: skip
+    assert proc.stdout == ""
+
+
+def test_a_compile_failure_under_auto_runs_eager_with_a_warning(tmp_path):
+    """auto compiles on CUDA only; the decision is given a CUDA device here (no tensor goes there)
+    and the model stays on the CPU, where inductor then fails to build."""
+    script = """
+import torch
+from lmsys.compiling import compiled_for_cli
+model, warnings = torch.nn.Linear(4, 3), []
+want = model(torch.ones(2, 4))
+with compiled_for_cli("auto", torch.device("cuda"), "lmsys-test", "testing", warnings.append) as use:
+    assert use(model)
+    assert torch.equal(model(torch.ones(2, 4)), want)
+print(warnings)
+"""
+    env = _without_a_cxx_compiler(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(["torch.compile failed on this model and device; testing ran eager"])
+    assert "lmsys-test: torch.compile:" not in proc.stderr
+    assert os.path.isdir(env["TORCHINDUCTOR_CACHE_DIR"])  # inductor did try
+
+
+def test_harness_runs_refuse_compile_true(random_export, capsys):
+    from lmsys.evaluate import main
+
+    assert main([str(random_export), "harness=hellaswag", "compile=true"]) == 2
+    assert (
+        "compile=true compiles perplexity runs; harness= runs lm_eval's requests eager"
+        in capsys.readouterr().err
+    )
