@@ -265,8 +265,9 @@ def evaluate_source(model, tokenizer, source: Source, opts: dict, full_batches: 
             text = source.path.read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
             raise EvalError(f"text={source.path} is not UTF-8 ({exc.reason} at byte {exc.start})") from None
-        batching = (opts["batch_size"], opts["max_tokens"], full_batches)
-        return evaluate_text(model, tokenizer, text, opts["seq_len"], *batching)
+        return evaluate_text(
+            model, tokenizer, text, opts["seq_len"], opts["batch_size"], opts["max_tokens"], full_batches
+        )
     tokens = split_tokens(source.path, tokenizer, opts["split"])
     if opts["max_tokens"]:
         tokens = tokens[: opts["max_tokens"]]
