@@ -40,6 +40,21 @@ BF16 = pytest.param(torch.bfloat16, 1.6e-2, id="bf16")
 BF16_TRITON = pytest.param(torch.bfloat16, 1.6e-2, id="bf16", marks=GPU_ONLY_BF16)
 
 
+# Tiles of 16 rows and 32 words, far below the interpreter's defaults, so that these small shapes
+# span many row, vocabulary and hidden blocks (tails included).
+SMALL_TILES: dict[str, dict[str, int]] = {
+    "lce_fwd": {"BLOCK_M": 16, "BLOCK_V": 32, "BLOCK_K": 16},
+    "lce_lse": {"BLOCK_V": 64},
+    "lce_bwd_dh": {"BLOCK_M": 16, "BLOCK_D": 16, "BLOCK_V": 32},
+    "lce_bwd_dw": {"BLOCK_V": 32, "BLOCK_D": 16, "BLOCK_M": 16},
+}
+
+
+@pytest.fixture(autouse=True)
+def small_interpreter_tiles(monkeypatch):
+    monkeypatch.setattr(LCE, "INTERPRETER_TILES", {name: dict(t) for name, t in SMALL_TILES.items()})
+
+
 def _inputs(n, d, v, dtype, *, bias=True, weights="mixed", scale=1.0, seed=0):
     """h (n, d), weight (v, d), targets, loss weights, bias on DEVICE; logits of order `scale` x 3.
     weights: "mixed" (uniform in [0, 1], a quarter exactly 0 with out-of-vocabulary targets),
@@ -114,7 +129,7 @@ def test_triton_without_bias_or_weights():
 def test_triton_many_vocabulary_blocks_and_chunk_tails(monkeypatch):
     """V = 4,099 in 33 blocks of 128 (the last of 3 columns) whose partials are combined 8 per step;
     70 tokens in chunks of 32 (a tail of 6); tiles of 16 rows over 2 and 3 hidden blocks."""
-    tiles = {name: dict(t) for name, t in LCE.INTERPRETER_TILES.items()}
+    tiles = {name: dict(t) for name, t in SMALL_TILES.items()}
     tiles["lce_fwd"].update(BLOCK_V=128, BLOCK_K=16)
     tiles["lce_lse"].update(BLOCK_V=512)
     tiles["lce_bwd_dh"].update(BLOCK_V=256)
