@@ -20,7 +20,7 @@ from lmsys.generate import (
     prompt_ids,
 )
 from lmsys.model import Transformer
-from tests.export.conftest import SEQ, VOCAB, small_config
+from tests.export.conftest import SEQ, SMALL, VOCAB, small_config
 
 
 def _model(preset: str = "tiny", extra: list[str] | None = None, seed: int = 0):
@@ -263,8 +263,9 @@ def test_generate_benchmark_times_the_batch_compiled(capsys):
     graph), the same tokens as the eager batch, and its ratio against it."""
     from lmsys.bench.__main__ import main
 
-    small = [f"set={o}" for o in ("vocab_size=512", "d_model=32", "n_layers=2", "n_heads=2", "ffn.d_ff=64")]
-    args = ["prompt_tokens=8", "new_tokens=16", "repeats=1", "threads=1", "batch=3", "compile=true", *small]
+    # test_compile_cli.py's model and batch size: the same graphs, which inductor's cache then holds
+    small = [f"set={o}" for o in SMALL]
+    args = ["prompt_tokens=8", "new_tokens=16", "repeats=1", "threads=1", "batch=2", "compile=true", *small]
     assert main(["generate", *args]) == 0
     out = capsys.readouterr().out
     assert "the same batch compiled (torch.compile, inductor; static KV cache): 2 graph(s)" in out

@@ -15,7 +15,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ import torch
 import triton
 
 from kernels import aot, resource_tables
+from tests import background
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FA = importlib.import_module("kernels.flash_attention")
@@ -52,25 +52,25 @@ ALL_KERNELS = {
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def subset(tmp_path_factory):
-    out = tmp_path_factory.mktemp("inspect")
-    report, cubins = out / "report.json", out / "cubins"
+def subset_command(out: Path) -> tuple[list[str], dict[str, str]]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    start = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "kernels.inspect", *SUBSET_ARGS, "--json", str(report), "--dump", str(cubins)],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    seconds = time.perf_counter() - start
-    print(f"\nCI inspection subset: {seconds:.0f} s")  # shown with pytest -s; a figure, not a check
+    argv = [sys.executable, "-m", "kernels.inspect", *SUBSET_ARGS, "--json", str(out / "report.json")]
+    return [*argv, "--dump", str(out / "cubins")], env
+
+
+# About two minutes of ptxas on 2 cores, independent of every other test: it starts when
+# collection ends, on the cores the other tests leave idle (tests/background.py).
+BACKGROUND_JOBS = {"subset": subset_command}
+
+
+@pytest.fixture(scope="module")
+def subset():
+    done = background.result("subset", subset_command, timeout=900)
+    print(f"\nCI inspection subset: {done.seconds:.0f} s, beside the other tests")  # -s shows it; not a check
+    report = done.out / "report.json"
     rows = json.loads(report.read_text())["rows"] if report.exists() else []
-    return proc, rows
+    return done.proc, rows
 
 
 def test_subset_compiles_every_kernel_without_spills(subset):
