@@ -55,7 +55,10 @@ def start(name: str, factory: CommandFactory) -> None:
     with open(out / "stdout.txt", "w") as stdout, open(out / "stderr.txt", "w") as stderr:
         proc = subprocess.Popen(
             argv, cwd=REPO_ROOT, env=env, stdout=stdout, stderr=stderr, text=True,
-            preexec_fn=_lowest_priority, start_new_session=True,  # its own group: stop() ends its workers too
+            # Its own process group (stop() ends its workers too) but not its own session: with the
+            # kernel's autogroup scheduling a new session would be a new group with a fair share of
+            # the CPU, whatever its nice value.
+            preexec_fn=_lowest_priority, process_group=0,
         )  # fmt: skip
     _JOBS[name] = Job(proc, out, time.perf_counter())
 
