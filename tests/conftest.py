@@ -27,19 +27,26 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
 
 
+def _background_fixtures(item) -> set[str]:
+    """The background jobs (tests/background.py) this test waits for."""
+    module = getattr(item, "module", None)
+    return getattr(module, "BACKGROUND_JOBS", {}).keys() & set(getattr(item, "fixturenames", ()))
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Tests that wait for a background job run last, when it has had the whole session to finish
+    (in their own order, so module-scoped fixtures are still set up once)."""
+    items.sort(key=lambda item: bool(_background_fixtures(item)))  # stable
+
+
 def pytest_collection_finish(session) -> None:
-    """Start the background jobs (tests/background.py) of the collected tests' modules."""
-    modules = {item.module.__name__: item.module for item in session.items if getattr(item, "module", None)}
-    for module_name in sorted(modules):
-        jobs = getattr(modules[module_name], "BACKGROUND_JOBS", {})
-        used = {
-            name
-            for item in session.items
-            if getattr(item, "module", None) is modules[module_name]
-            for name in getattr(item, "fixturenames", ())
-        }
-        for name in sorted(jobs.keys() & used):
-            background.start(name, jobs[name])
+    """Start the background jobs of the collected tests."""
+    jobs = {}
+    for item in session.items:
+        for name in _background_fixtures(item):
+            jobs[name] = item.module.BACKGROUND_JOBS[name]
+    for name in sorted(jobs):
+        background.start(name, jobs[name])
 
 
 def pytest_unconfigure(config) -> None:
