@@ -13,8 +13,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
@@ -76,30 +78,37 @@ def run_cli(module: str, *args: str, timeout: float = 120) -> subprocess.Complet
     )
 
 
-def run_clis(
-    calls: dict[str, list[str]], parallel: int = 4, timeout: float = 300
-) -> dict[str, subprocess.CompletedProcess]:
-    """Several CLI calls, each a fresh process as a user runs it, up to `parallel` at a time so
-    their start-up (importing torch) overlaps: {name: [module, args...]} -> {name: result}."""
-    pending = list(calls.items())
-    running: dict[str, subprocess.Popen] = {}
-    results: dict[str, subprocess.CompletedProcess] = {}
+Name = TypeVar("Name", bound=Hashable)
+
+
+def run_side_by_side(
+    commands: dict[Name, tuple[list[str], dict[str, str]]], parallel: int = 4, timeout: float = 300
+) -> dict[Name, subprocess.CompletedProcess]:
+    """Several processes, up to `parallel` at a time so their start-up (importing torch) overlaps:
+    {name: (argv, environment)} -> {name: result}."""
+    pending = list(commands.items())
+    running: dict[Name, subprocess.Popen] = {}
+    results: dict[Name, subprocess.CompletedProcess] = {}
     while pending or running:
         while pending and len(running) < parallel:
-            name, call = pending.pop(0)
+            name, (argv, env) = pending.pop(0)
             running[name] = subprocess.Popen(
-                cli_command(*call),
-                cwd=REPO_ROOT,
-                env=child_env(),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
+                argv, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
             )
         name = next(iter(running))
         proc = running.pop(name)
         out, err = proc.communicate(timeout=timeout)
         results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     return results
+
+
+def run_clis(
+    calls: dict[str, list[str]], parallel: int = 4, timeout: float = 300
+) -> dict[str, subprocess.CompletedProcess]:
+    """Several CLI calls, each a fresh process as a user runs it, side by side:
+    {name: [module, args...]} -> {name: result}."""
+    commands = {name: (cli_command(*call), child_env()) for name, call in calls.items()}
+    return run_side_by_side(commands, parallel, timeout)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, prog: str, *fragments: str) -> str:

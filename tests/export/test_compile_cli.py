@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from tests.export.conftest import REPO_ROOT, assert_one_line_error, child_env, cli_command, run_clis
+from tests.export.conftest import (
+    assert_one_line_error,
+    child_env,
+    cli_command,
+    run_clis,
+    run_side_by_side,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -85,26 +90,12 @@ def test_a_compile_failure_is_one_error_line_under_true_and_runs_eager_with_a_wa
     """Both at once (each process mostly imports torch and starts inductor). auto compiles on CUDA
     only: its decision is given a CUDA device (no tensor goes there) and the model stays on the
     CPU, where inductor then fails to build."""
-    envs = {name: _without_a_cxx_compiler(tmp_path / name) for name in ("true", "auto")}
     commands = {
         "true": cli_command("lmsys.generate", str(random_export), *GENERATE, "compile=true"),
         "auto": [sys.executable, "-c", AUTO_FALLBACK],
     }
-    running = {
-        name: subprocess.Popen(
-            commands[name],
-            cwd=REPO_ROOT,
-            env=envs[name],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for name in commands
-    }
-    procs = {}
-    for name, proc in running.items():
-        out, err = proc.communicate(timeout=300)
-        procs[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    envs = {name: _without_a_cxx_compiler(tmp_path / name) for name in commands}
+    procs = run_side_by_side({name: (commands[name], envs[name]) for name in commands})
     assert_one_line_error(
         procs["true"], "lmsys-generate", "compile=true: torch.compile failed on this model and device",
         "C++ compiler", "compile=false runs eager",

@@ -15,7 +15,7 @@ import torch
 
 from lmsys.export import write_export
 from lmsys.model import Transformer
-from tests.export.conftest import REPO_ROOT, child_env, cli_command, small_config
+from tests.export.conftest import REPO_ROOT, child_env, cli_command, run_side_by_side, small_config
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="the CPU interpreter is selected only without CUDA"
@@ -30,7 +30,7 @@ def test_triton_export_runs_on_cpu_without_triton_interpret(tmp_path, tokenizer_
     env = child_env()
     env.pop("TRITON_INTERPRET", None)
 
-    procs = {}
+    commands = {}
     for kernels in ("torch", "triton"):
         export = write_export(
             tmp_path / kernels, small_config(extra=[f"kernels={kernels}"]), state, tokenizer_path, {"step": 0}
@@ -42,19 +42,13 @@ def test_triton_export_runs_on_cpu_without_triton_interpret(tmp_path, tokenizer_
         }
         for name, args in calls.items():
             module = "lmsys.generate" if name == "generate" else "lmsys.evaluate"
-            procs[name, kernels] = subprocess.Popen(
-                cli_command(module, *args, "device=cpu"),
-                cwd=REPO_ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
+            commands[name, kernels] = (cli_command(module, *args, "device=cpu"), env)
     outputs = {}
-    for key, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, f"{key}: exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{err}"
-        outputs[key] = out
+    for key, proc in run_side_by_side(commands).items():
+        assert proc.returncode == 0, (
+            f"{key}: exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+        )
+        outputs[key] = proc.stdout
 
     completions = {k: json.loads(outputs["generate", k].splitlines()[-1]) for k in ("torch", "triton")}
     assert completions["triton"]["new_tokens"] == 6
