@@ -120,8 +120,8 @@ def worker_ops(variant: str, n: int, d: int, v: int, repeat: int) -> dict[str, f
 def worker_model(variant: str, out_dir: Path) -> dict[str, float]:
     """gpt2_124m's loss on tokens (4, 1024) with model.loss_impl=variant: peak memory, time, and
     the loss and gradients saved to out_dir for the comparison."""
-    from lmsys.config import compose
-    from lmsys.model import Transformer
+    from lmsys.core.config import compose
+    from lmsys.model.transformer import Transformer
 
     torch.manual_seed(0)
     model = Transformer(compose(["model=gpt2_124m", f"model.loss_impl={variant}"]).model)

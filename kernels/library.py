@@ -20,7 +20,7 @@ and is turned into None here.
 To register another kernel: a forward op returning its
 saved tensors, a backward op, a fake for each (`_like` helpers below), `register_autograd` on
 the forward, and a public function that returns the forward's first output; then call it from
-lmsys/ops.py.
+lmsys/model/ops.py.
 """
 
 from __future__ import annotations

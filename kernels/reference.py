@@ -2,7 +2,7 @@
 what lmsys runs where the kernels do not (CPU tensors, model.kernels=torch).
 
 Importing this module imports torch only, never triton: lmsys imports it at start-up, before it
-has decided how Triton must run (lmsys.ops.prepare_kernels).
+has decided how Triton must run (lmsys.model.ops.prepare_kernels).
 """
 
 from __future__ import annotations

@@ -50,9 +50,10 @@ if str(REPO_ROOT) not in sys.path:  # `python launch/sweep.py` as well as `pytho
 
 from launch.torchrun import Plan, make_plan  # noqa: E402
 from launch.torchrun import build_parser as launcher_parser  # noqa: E402
-from lmsys.cli import run_cli, warn  # noqa: E402
-from lmsys.errors import EXIT_REQUEUE, ConfigError, Stopped, UsageError  # noqa: E402
-from lmsys.files import atomic_write_text  # noqa: E402
+from lmsys.cli import run_cli  # noqa: E402
+from lmsys.core.console import warn  # noqa: E402
+from lmsys.core.errors import EXIT_REQUEUE, ConfigError, Stopped, UsageError  # noqa: E402
+from lmsys.core.files import atomic_write_text  # noqa: E402
 from lmsys.sweep.multirun import SWEEP_FILE, check_jobs, expand_sweep, sweep_name  # noqa: E402
 from lmsys.sweep.summary import summarize  # noqa: E402
 

@@ -32,7 +32,7 @@ trainer.run_dir explicitly for multi-node jobs (one directory on a shared filesy
 
 Stopping: SIGTERM, SIGUSR1 (a preemption, SLURM's time-limit warning) and SIGINT (Ctrl-C) to the
 launcher go to every worker, which finishes its optimizer step, saves a checkpoint of it and
-exits (lmsys/stopping.py); the workers get --shutdown-timeout seconds (default 300,
+exits (lmsys/training/stopping.py); the workers get --shutdown-timeout seconds (default 300,
 $SHUTDOWN_TIMEOUT) before torchrun kills them. A repeated SIGTERM or SIGUSR1 does not cut that
 short; a second Ctrl-C does (the checkpoint being written is abandoned, never left half-visible).
 
@@ -66,7 +66,7 @@ if str(REPO_ROOT) not in sys.path:  # `python launch/torchrun.py` as well as `py
     sys.path.insert(0, str(REPO_ROOT))
 
 from lmsys.cli import run_cli  # noqa: E402  (after the path set-up above)
-from lmsys.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, ConfigError, LmsysError  # noqa: E402
+from lmsys.core.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, ConfigError, LmsysError  # noqa: E402
 
 PROG = "lmsys-launch"
 DEFAULT_PORT = 29400
@@ -472,9 +472,9 @@ def check_training_config(overrides: list[str], world_size: int) -> None:
     (its advice differs: a resumed run keeps its global batch)."""
     # lmsys's config, batch arithmetic and checkpoint rule import Hydra and torch: only for
     # lmsys.train launches.
-    from lmsys import checkpoint as ckpt
-    from lmsys.config import compose
-    from lmsys.runtime import batch_plan, resume_batch_plan
+    from lmsys.core.config import compose
+    from lmsys.core.runtime import batch_plan, resume_batch_plan
+    from lmsys.engine import checkpoint as ckpt
 
     cfg = compose(overrides)
     try:

@@ -10,7 +10,7 @@
         return run_cli(PROG, body)
 
 `run_cli` is the only place a command turns an exception into an exit status: an `LmsysError`
-(lmsys.errors) prints one line `<prog>: error: <message>` on stderr and exits with its
+(lmsys.core.errors) prints one line `<prog>: error: <message>` on stderr and exits with its
 `exit_code` (2 for bad input), an OSError (disk full, permission denied) one line and 2, Ctrl-C
 one line and 130. In a distributed job every rank raises the same error; only rank 0 prints it.
 
@@ -19,13 +19,14 @@ Imports the standard library only: the light commands (sweep summaries, launcher
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lmsys.errors import LmsysError, UsageError
+from lmsys.core.choices import COMPILE_CHOICES, DTYPE_NAMES
+from lmsys.core.console import is_reporting_rank, report_error
+from lmsys.core.errors import LmsysError, UsageError
 
 
 @dataclass
@@ -118,30 +119,21 @@ def format_help(prog: str, options: list[Option], summary: str, positional: str 
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- shared options
+
+# The options several commands share: the device and dtype (lmsys.core.runtime resolves them),
+# torch.compile (lmsys.model.compiling), a checkpoint's tokenizer (lmsys.interop.exports).
+DEVICE_OPTION = Option("device", "str", "auto", "auto, cpu, cuda or cuda:N")
+DTYPE_OPTION = Option("dtype", "choice", "fp32", "compute dtype", DTYPE_NAMES)
+COMPILE_OPTION = Option(
+    "compile", "choice", "auto", "torch.compile the model: auto (on CUDA), true, false", COMPILE_CHOICES
+)
+TOKENIZER_OPTION = Option(
+    "tokenizer", "str", None, "tokenizer file for a checkpoint (default: found from its data.dir)"
+)
+
+
 # ----------------------------------------------------------------------------- reporting
-
-
-def one_line(exc: BaseException) -> str:
-    """The exception's message with its whitespace (newlines included) folded to single spaces."""
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def _reporting_rank() -> bool:
-    """Rank 0 reports; the other ranks of a job fail with the same status, silently."""
-    return os.environ.get("RANK", "0") == "0"
-
-
-def report_error(prog: str, exc: BaseException) -> None:
-    """`<prog>: error: <message>` on stderr (rank 0 only)."""
-    if _reporting_rank():
-        sys.stdout.flush()
-        print(f"{prog}: error: {one_line(exc)}", file=sys.stderr, flush=True)
-
-
-def warn(prog: str, message: str) -> None:
-    """`<prog>: warning: <message>` on stderr (rank 0 only)."""
-    if _reporting_rank():
-        print(f"{prog}: warning: {message}", file=sys.stderr, flush=True)
 
 
 def run_cli(prog: str, body: Callable[[], int], interrupted: str = "interrupted") -> int:
@@ -155,6 +147,6 @@ def run_cli(prog: str, body: Callable[[], int], interrupted: str = "interrupted"
         report_error(prog, exc)
         return 2
     except KeyboardInterrupt:
-        if _reporting_rank():
+        if is_reporting_rank():
             print(f"{prog}: {interrupted}", file=sys.stderr, flush=True)
         return 130

@@ -5,12 +5,12 @@
 
 `HF_DIR` is what `GPT2LMHeadModel.save_pretrained` writes: config.json (a GPT2Config) and the
 weights, model.safetensors or pytorch_model.bin, one file or shards with an index. Nothing in a
-pickle runs: safetensors, or torch.load(weights_only=True) (lmsys/hf.py). The weights map onto
+pickle runs: safetensors, or torch.load(weights_only=True) (lmsys/interop/hf.py). The weights map onto
 lmsys's Transformer with GPT-2's function, so the export's logits are transformers' logits.
 
 The tokenizer is `tokenizer=` or HF_DIR's own: its tokenizer.model when lmsys wrote one (an
 lmsys format=hf export), else its tokenizer.json (GPT-2's byte-level BPE, with the special
-tokens of its tokenizer_config.json; lmsys/tokenizer.py); it must have the model's vocabulary.
+tokens of its tokenizer_config.json; lmsys/data/tokenizer.py); it must have the model's vocabulary.
 
 The export (format=lmsys, lmsys/export.py) is written under a temporary name, loaded back and
 compared with the weights read (verify=true), then renamed into place. From there:
@@ -25,20 +25,12 @@ print one line `lmsys-import: error: ...` on stderr and exit 2; nothing is writt
 
 from __future__ import annotations
 
-import os
-import re
 import sys
-from dataclasses import replace
-from pathlib import Path
-
-import torch
 
 from lmsys.cli import Option, parse_options, run_cli
-from lmsys.errors import ExportError, UsageError
-from lmsys.export import write_export
-from lmsys.hf import read_hf_checkpoint
-from lmsys.runtime import DTYPES, resolve_dtype
-from lmsys.tokenizer import tokenizer_file
+from lmsys.core.errors import UsageError
+from lmsys.core.runtime import DTYPES, resolve_dtype
+from lmsys.interop.exports import import_checkpoint
 
 PROG = "lmsys-import"
 
@@ -56,26 +48,6 @@ SUMMARY = (
     "into an lmsys export: model.safetensors, config.json, its tokenizer and a model card.\n"
     "example: python -m lmsys.hf_import hf/gpt2 out=exports/gpt2"
 )
-
-
-def import_checkpoint(
-    hf_dir: str | os.PathLike,
-    out: str | os.PathLike,
-    tokenizer: str | os.PathLike | None = None,
-    dtype: torch.dtype = torch.float32,
-    overwrite: bool = False,
-    verify: bool = True,
-) -> Path:
-    """Write the lmsys export of a transformers GPT-2 directory; returns `out`."""
-    source = Path(hf_dir).expanduser()
-    if not source.is_dir():
-        raise ExportError(f"{source} is not a directory (expected a transformers checkpoint directory)")
-    cfg, state = read_hf_checkpoint(source)
-    if cfg.name == "gpt2-hf":  # no lmsys config recorded: name it after its directory
-        cfg = replace(cfg, name=re.sub(r"[^A-Za-z0-9._-]+", "-", source.resolve().name) or "gpt2-hf")
-    tok_path = tokenizer_file(tokenizer if tokenizer is not None else source)
-    info = {"imported_from": str(source.resolve()), "source": str(source.resolve())}
-    return write_export(out, cfg, state, tok_path, info, dtype, "lmsys", overwrite, verify)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,9 +3,9 @@ groups, the most used keys and their current values, and examples."""
 
 from __future__ import annotations
 
-from lmsys.config import compose, config_groups, config_to_dict, flatten_dict
+from lmsys.core.config import compose, config_groups, config_to_dict, flatten_dict
 
-# The keys most runs set, with one line each (every key: lmsys/config.py and conf/).
+# The keys most runs set, with one line each (every key: lmsys/core/config.py and conf/).
 KEY_HELP = [
     ("trainer.max_steps", "optimizer steps to train"),
     ("trainer.global_batch_tokens", "tokens per optimizer step over all ranks (accumulation is derived)"),

@@ -4,10 +4,14 @@
   count: a lazy import still couples two modules);
 - no module of lmsys/ over 700 lines, no function outside kernels/ over 100 lines;
 - every command's `main` reports errors through `lmsys.cli.run_cli` (one exit path, one
-  error vocabulary), and no module defines its own error base class outside lmsys/errors.py;
+  error vocabulary), and no module defines its own error base class outside lmsys/core/errors.py;
 - an import inside a function of lmsys/ or launch/ says why it is late (a comment before it in
   that function);
-- the code and docs cite nothing outside the repository (the docs they cite are in docs/).
+- the code and docs cite nothing outside the repository (the docs they cite are in docs/);
+- layers point one way (LAYERS, bottom to top): a module imports only modules of its own layer
+  or of the layers below, so library code never imports a command or the command-line kit, and
+  the runtime kernels never import lmsys or the kernel tools;
+- no package directory holds more than 15 modules.
 """
 
 from __future__ import annotations
@@ -22,6 +26,23 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("lmsys", "kernels", "launch")
 MAX_MODULE_LINES = 700
 MAX_FUNCTION_LINES = 100
+MAX_PACKAGE_MODULES = 15
+
+# Bottom to top. A module belongs to the layer of its longest matching prefix; the commands (every
+# module with a `main`, the command-line kit, the launchers and the tools) are the top layer.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("foundation", ("kernels", "lmsys.core")),
+    ("model and data", ("lmsys.model", "lmsys.data")),
+    ("engine and checkpoints", ("lmsys.engine",)),
+    (
+        "training, inference, interop, sweeps",
+        ("lmsys.training", "lmsys.inference", "lmsys.interop", "lmsys.sweep"),
+    ),
+    (
+        "commands",
+        ("lmsys", "launch", "lmsys.bench", "lmsys.sweep.__main__", "kernels.bench", "kernels.inspect"),
+    ),
+]
 
 
 def _modules() -> dict[str, Path]:
@@ -142,12 +163,12 @@ def _defines(tree: ast.Module, function: str):
 
 
 def test_one_error_vocabulary():
-    """Exceptions raised to users derive from lmsys.errors.LmsysError; no other module defines a
+    """Exceptions raised to users derive from lmsys.core.errors.LmsysError; no other module defines a
     base class of its own (a class deriving directly from a builtin exception)."""
     builtins = {"Exception", "ValueError", "RuntimeError", "TypeError", "OSError"}
     own_bases = []
     for name, tree in TREES.items():
-        if name == "lmsys.errors" or name.startswith("kernels"):  # kernels/ stands alone: TypeError etc.
+        if name == "lmsys.core.errors" or name.startswith("kernels"):  # kernels/ stands alone: TypeError etc.
             continue
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
@@ -195,3 +216,62 @@ def test_nothing_cites_files_outside_the_repository():
             if outside.search(line):
                 offenders.append(f"{path.relative_to(REPO)}:{number}")
     assert offenders == []
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of a module's layer (its longest matching prefix)."""
+    best, best_len = -1, -1
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = index, len(prefix)
+    assert best >= 0, f"{module} is in no layer"
+    return best
+
+
+def test_layers_point_one_way():
+    upward = []
+    for name, tree in TREES.items():
+        for target in _imported(name, tree):
+            if layer_of(target) > layer_of(name):
+                upward.append(
+                    f"{name} ({LAYERS[layer_of(name)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+                )
+    assert upward == []
+
+
+def test_the_layer_rule_sees_an_upward_import():
+    assert layer_of("lmsys.model.ops") < layer_of("lmsys.cli")
+    assert layer_of("kernels.flash_attention") < layer_of("kernels.bench")
+    assert layer_of("lmsys.sweep.summary") < layer_of("lmsys.sweep.__main__")
+    assert layer_of("lmsys.core.config") < layer_of("lmsys.engine.zero") < layer_of("lmsys.training.trainer")
+
+
+def test_every_command_is_in_the_top_layer():
+    top = len(LAYERS) - 1
+    misplaced = [
+        name for name, tree in TREES.items() if any(_defines(tree, "main")) and layer_of(name) != top
+    ]
+    assert misplaced == []
+
+
+def test_runtime_kernels_stand_alone():
+    """kernels/ runs without lmsys: its runtime modules import neither lmsys nor the kernel tools."""
+    leaks = [
+        f"{name} imports {target}"
+        for name, tree in TREES.items()
+        if name.startswith("kernels") and layer_of(name) == 0
+        for target in _imported(name, tree)
+        if not target.startswith("kernels") or layer_of(target) != 0
+    ]
+    assert leaks == []
+
+
+def test_package_sizes():
+    crowded = {}
+    for package in PACKAGES:
+        for directory in [REPO / package, *(p for p in (REPO / package).rglob("*") if p.is_dir())]:
+            modules = list(directory.glob("*.py"))
+            if len(modules) > MAX_PACKAGE_MODULES:
+                crowded[str(directory.relative_to(REPO))] = len(modules)
+    assert crowded == {}

@@ -6,7 +6,7 @@ import importlib
 import sys
 
 from lmsys.cli import run_cli
-from lmsys.errors import UsageError
+from lmsys.core.errors import UsageError
 
 COMMANDS = {
     "train": "lmsys.bench.train",

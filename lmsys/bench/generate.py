@@ -25,15 +25,15 @@ import time
 
 import torch
 
-from lmsys.cli import Option, parse_options, run_cli
-from lmsys.compiling import compile_module, compile_stats
-from lmsys.config import compose_model
-from lmsys.errors import UsageError
-from lmsys.generate import Sampling, generate_batch, generate_one
-from lmsys.metrics import device_name
-from lmsys.model import Transformer
-from lmsys.ops import prepare_kernels
-from lmsys.runtime import DEVICE_OPTION, DTYPE_OPTION, resolve_device, resolve_dtype
+from lmsys.cli import DEVICE_OPTION, DTYPE_OPTION, Option, parse_options, run_cli
+from lmsys.core.config import compose_model
+from lmsys.core.errors import UsageError
+from lmsys.core.runtime import resolve_device, resolve_dtype
+from lmsys.inference.generation import Sampling, generate_batch, generate_one
+from lmsys.model.compiling import compile_module, compile_stats
+from lmsys.model.ops import prepare_kernels
+from lmsys.model.transformer import Transformer
+from lmsys.training.metrics import device_name
 
 PROG = "lmsys-bench generate"
 

@@ -37,8 +37,8 @@ from typing import Any
 import sentencepiece as spm
 
 from lmsys.cli import Option, parse_options, run_cli
-from lmsys.corpus import DefaultCorpus, FileCorpus, module_docstrings
-from lmsys.errors import LmsysError, UsageError
+from lmsys.core.errors import LmsysError, UsageError
+from lmsys.data.corpus import DefaultCorpus, FileCorpus, module_docstrings
 
 PROG = "lmsys-bench prepare"
 OPTIONS = [

@@ -51,18 +51,18 @@ import numpy as np
 import torch
 
 from lmsys.cli import Option, parse_options, run_cli
-from lmsys.config import compose, validate
-from lmsys.data import TokenLoader
-from lmsys.engine import lr_at, param_groups
-from lmsys.errors import UsageError
-from lmsys.files import sha256_file
-from lmsys.metrics import device_name, device_peak_flops, mfu
-from lmsys.model import Transformer
-from lmsys.ops import prepare_kernels
-from lmsys.runtime import batch_plan, resolve_device, resolve_precision, seed_everything
-from lmsys.shards import PreparedData, ShardWriter, token_dtype, write_manifest
-from lmsys.tokenizer import BOS_ID, EOS_ID, PAD_ID, SENTENCEPIECE_FILE, UNK_ID
-from lmsys.train import train
+from lmsys.core.config import compose, validate
+from lmsys.core.errors import UsageError
+from lmsys.core.files import sha256_file
+from lmsys.core.runtime import batch_plan, resolve_device, resolve_precision, seed_everything
+from lmsys.data.loader import TokenLoader
+from lmsys.data.shards import PreparedData, ShardWriter, token_dtype, write_manifest
+from lmsys.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, SENTENCEPIECE_FILE, UNK_ID
+from lmsys.engine.zero import lr_at, param_groups
+from lmsys.model.ops import prepare_kernels
+from lmsys.model.transformer import Transformer
+from lmsys.training.metrics import device_name, device_peak_flops, mfu
+from lmsys.training.trainer import train
 
 PROG = "lmsys-bench train"
 OPTIONS = [
@@ -125,7 +125,7 @@ def parse_args(argv: list[str]) -> tuple[dict[str, Any] | None, list[str]]:
 
 
 def write_synthetic_data(directory: Path, vocab_size: int, train_tokens: int, seed: int = 0) -> Path:
-    """A prepared-data directory (lmsys.shards' format) of uniformly random tokens. Its
+    """A prepared-data directory (lmsys.data.shards' format) of uniformly random tokens. Its
     tokenizer.model is a placeholder that nothing loads."""
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)

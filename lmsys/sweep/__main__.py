@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from lmsys.cli import run_cli
-from lmsys.errors import UsageError
+from lmsys.core.errors import UsageError
 from lmsys.sweep.summary import CSV_FILE, PLOT_FILE, PROG, summarize
 
 USAGE = f"""usage: python -m lmsys.sweep summarize SWEEP_DIR [--no-plot]

@@ -34,8 +34,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import open_dict, read_write
 
-from lmsys.config import CONF_DIR, compose, hydra_error_line
-from lmsys.errors import ConfigError, DataError
+from lmsys.core.config import CONF_DIR, compose, hydra_error_line
+from lmsys.core.errors import ConfigError, DataError
 
 SWEEP_FILE = "sweep.json"
 MULTIRUN_FILE = "multirun.yaml"  # what Hydra writes into a multirun's sweep directory
@@ -106,8 +106,8 @@ def check_jobs(jobs: Sequence[Sequence[str]], world_size: int | None = None, rem
             raise bad(number, exc) from exc
     # Imported only now, once every config composed: they import torch (seconds), and a
     # misspelled key should be reported at once.
-    from lmsys.runtime import batch_plan
-    from lmsys.shards import PreparedData
+    from lmsys.core.runtime import batch_plan
+    from lmsys.data.shards import PreparedData
 
     if world_size is not None:  # every job's batch before any data: it needs no files
         for number, cfg in enumerate(configs):

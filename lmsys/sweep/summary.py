@@ -31,12 +31,12 @@ from typing import Any
 import yaml
 from hydra.experimental.callback import Callback
 
-from lmsys.cli import warn
-from lmsys.config import compose, config_to_dict, flatten_dict
-from lmsys.errors import ConfigError
-from lmsys.plots import plot_sweep
-from lmsys.rundir import CONFIG_FILE, METRICS_FILE, read_config, read_metrics
+from lmsys.core.config import compose, config_to_dict, flatten_dict
+from lmsys.core.console import warn
+from lmsys.core.errors import ConfigError
+from lmsys.engine.rundir import CONFIG_FILE, METRICS_FILE, read_config, read_metrics
 from lmsys.sweep.multirun import MULTIRUN_FILE, SWEEP_FILE, expand_sweep, is_hydra_override, sweep_name
+from lmsys.training.plots import plot_sweep
 
 PROG = "lmsys-sweep"
 CSV_FILE = "summary.csv"

@@ -129,7 +129,7 @@ def prepared(tmp_path_factory, corpus_dir) -> Path:
 @pytest.fixture(scope="session")
 def other_tokenizer(tmp_path_factory) -> Path:
     """A second tokenizer with the same vocabulary size, trained on other text."""
-    from lmsys.tokenizer import train_tokenizer
+    from lmsys.data.tokenizer import train_tokenizer
 
     rng = random.Random(7)
     texts = [synthetic_text(rng, 8)[::-1] for _ in range(20)]  # reversed words: other merges
@@ -146,7 +146,7 @@ def bpe_dir(tmp_path_factory, corpus_dir) -> Path:
     """A directory holding a byte-level BPE trained with `tokenizers` on the synthetic corpus, as
     OpenAI's GPT-2 files hold theirs: tokenizer.json, and a tokenizer_config.json naming no
     special token (`<|endoftext|>` is implied)."""
-    from lmsys.corpus import FileCorpus
+    from lmsys.data.corpus import FileCorpus
     from tests.hf_files import train_byte_level_bpe
 
     texts = list(FileCorpus.from_sources([str(corpus_dir)]).documents())

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lmsys.corpus import DefaultCorpus, FileCorpus, default_corpus, resolve_sources
-from lmsys.errors import DataError
+from lmsys.core.errors import DataError
+from lmsys.data.corpus import DefaultCorpus, FileCorpus, default_corpus, resolve_sources
 from tests.data.conftest import UNICODE_SAMPLES
 
 

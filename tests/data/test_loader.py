@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from lmsys.data import Batch, TokenLoader
-from lmsys.errors import DataError
-from lmsys.shards import PreparedData
-from lmsys.tokenizer import EOS_ID
+from lmsys.core.errors import DataError
+from lmsys.data.loader import Batch, TokenLoader
+from lmsys.data.shards import PreparedData
+from lmsys.data.tokenizer import EOS_ID
 
 S = 33  # tokens per sample (seq_len 32 + 1)
 G = 6  # global batch in sequences: divisible by world sizes 1, 2, 3

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-import lmsys.corpus
-from lmsys.config import compose
-from lmsys.corpus import FileCorpus
-from lmsys.data import TokenLoader
-from lmsys.errors import DataError
-from lmsys.files import sha256_file
-from lmsys.prepare import prepare, validation_mask
-from lmsys.shards import MANIFEST, PreparedData, TokenizerMismatch, read_manifest
-from lmsys.tokenizer import EOS_ID, Tokenizer
+from lmsys.core.config import compose
+from lmsys.core.errors import DataError
+from lmsys.core.files import sha256_file
+from lmsys.data import corpus
+from lmsys.data.corpus import FileCorpus
+from lmsys.data.loader import TokenLoader
+from lmsys.data.preparation import prepare, validation_mask
+from lmsys.data.shards import MANIFEST, PreparedData, TokenizerMismatch, read_manifest
+from lmsys.data.tokenizer import EOS_ID, Tokenizer
 from tests.data.conftest import SHARD_TOKENS, VOCAB, base_overrides, run_prepare
 
 
@@ -130,7 +130,7 @@ def test_model_vocabulary_must_match(prepared):
 def test_long_document_is_encoded_in_pieces(tmp_path, monkeypatch, other_tokenizer):
     """A text file longer than a piece is read and encoded in pieces: still one document, one
     eos, and the text comes back exactly (here on 2 encoding threads)."""
-    monkeypatch.setattr(lmsys.corpus, "PIECE_BYTES", 3000)
+    monkeypatch.setattr(corpus, "PIECE_BYTES", 3000)
     src = tmp_path / "src"
     src.mkdir()
     long_text = "".join(f"Line {i} of a long book, ü∑ with some words.\n" for i in range(2000))

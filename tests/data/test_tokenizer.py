@@ -7,9 +7,9 @@ import random
 import numpy as np
 import pytest
 
-from lmsys.errors import DataError
-from lmsys.shards import token_dtype
-from lmsys.tokenizer import (
+from lmsys.core.errors import DataError
+from lmsys.data.shards import token_dtype
+from lmsys.data.tokenizer import (
     BOS_ID,
     EOS_ID,
     PAD_ID,

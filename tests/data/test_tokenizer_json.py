@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import tokenizers
 
-from lmsys.corpus import FileCorpus
-from lmsys.errors import DataError
-from lmsys.files import sha256_file
-from lmsys.prepare import validation_mask
-from lmsys.shards import PreparedData, read_manifest
-from lmsys.tokenizer import EncoderPool, Tokenizer
+from lmsys.core.errors import DataError
+from lmsys.core.files import sha256_file
+from lmsys.data.corpus import FileCorpus
+from lmsys.data.preparation import validation_mask
+from lmsys.data.shards import PreparedData, read_manifest
+from lmsys.data.tokenizer import EncoderPool, Tokenizer
 from tests.data.conftest import BPE_VOCAB, UNICODE_SAMPLES, run_prepare, synthetic_text
 from tests.data.test_cli_errors import assert_one_line_error
 

@@ -123,7 +123,7 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, prog: str, *fragmen
 
 
 def small_config(preset: str = "tiny", extra: list[str] | None = None):
-    from lmsys.config import compose_model
+    from lmsys.core.config import compose_model
 
     return compose_model(preset, [*SMALL, *(extra or [])])
 
@@ -139,8 +139,8 @@ def _write_corpus(directory: Path) -> None:
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory) -> Path:
     """A prepared dataset (vocabulary 512, 20% validation) made by lmsys.prepare."""
-    from lmsys.config import compose
-    from lmsys.prepare import prepare
+    from lmsys.core.config import compose
+    from lmsys.data.preparation import prepare
 
     root = tmp_path_factory.mktemp("export_data")
     corpus, out = root / "corpus", root / "prepared"
@@ -159,8 +159,8 @@ def tokenizer_path(data_dir) -> Path:
 @pytest.fixture(scope="session")
 def random_export(tmp_path_factory, tokenizer_path) -> Path:
     """An export (lmsys format) of a random-weight small tiny model."""
-    from lmsys.export import write_export
-    from lmsys.model import Transformer
+    from lmsys.interop.exports import write_export
+    from lmsys.model.transformer import Transformer
 
     cfg = small_config()
     torch.manual_seed(0)
@@ -174,8 +174,8 @@ def hf_export(tmp_path_factory, tokenizer_path) -> Path:
     """A format=hf export of a random-weight small tiny model with lmsys's SentencePiece tokenizer:
     config.json (GPT2Config), model.safetensors, tokenizer.model, tokenizer.json,
     tokenizer_config.json, generation_config.json, README.md."""
-    from lmsys.export import write_export
-    from lmsys.model import Transformer
+    from lmsys.interop.exports import write_export
+    from lmsys.model.transformer import Transformer
 
     cfg = small_config()
     torch.manual_seed(3)
@@ -206,7 +206,7 @@ def hf_gpt2_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def gpt2_import(tmp_path_factory, hf_gpt2_dir) -> Path:
     """`hf_gpt2_dir` imported by lmsys-import's function: an lmsys export of it."""
-    from lmsys.hf_import import import_checkpoint
+    from lmsys.interop.exports import import_checkpoint
 
     return import_checkpoint(hf_gpt2_dir, tmp_path_factory.mktemp("imports") / "gpt2-test")
 
@@ -231,7 +231,7 @@ class Job:
 
 
 def _torchrun(nproc: int, *args: str) -> subprocess.Popen:
-    """torchrun for 2 processes; one process is a plain `python` (lmsys.engine makes a world of
+    """torchrun for 2 processes; one process is a plain `python` (lmsys.engine.zero makes a world of
     one itself), which spares the agent's start-up."""
     if nproc == 1:
         command = [sys.executable, *args]

@@ -2,9 +2,9 @@
 
     torchrun --standalone --nproc_per_node=N tests/export/ds_checkpoints.py OUT DATA_DIR STAGES [overrides...]
 
-For each stage: build the Transformer, wrap it with lmsys.engine (the training path's engine:
+For each stage: build the Transformer, wrap it with lmsys.engine.zero (the training path's engine:
 LossModule, param groups, DeepSpeed JSON), take two optimizer steps on random tokens, save with
-lmsys.checkpoint.save (the training path's atomic save, client state as train.py writes it) into
+lmsys.engine.checkpoint.save (the training path's atomic save, client state as train.py writes it) into
 OUT/zero<stage>, then run the engine's own model on fixed ids and write rank 0's logits to
 OUT/zero<stage>/reference_logits.safetensors. At ZeRO-3 every rank takes part in that forward
 (DeepSpeed gathers the partitioned parameters), so the logits are the trained model's.
@@ -29,12 +29,12 @@ def main() -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from lmsys import checkpoint as ckpt
-    from lmsys import engine as eng
-    from lmsys.config import compose, config_to_dict
-    from lmsys.model import Transformer
-    from lmsys.runtime import batch_plan, resolve_precision
-    from lmsys.tokenizer import Tokenizer
+    from lmsys.core.config import compose, config_to_dict
+    from lmsys.core.runtime import batch_plan, resolve_precision
+    from lmsys.data.tokenizer import Tokenizer
+    from lmsys.engine import checkpoint as ckpt
+    from lmsys.engine import zero as eng
+    from lmsys.model.transformer import Transformer
 
     tok = Tokenizer(Path(data_dir) / "tokenizer.model")
     device = torch.device("cpu")

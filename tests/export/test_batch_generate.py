@@ -16,9 +16,9 @@ import json
 import pytest
 import torch
 
-from lmsys.generate import Sampling, fit_prompt, generate, generate_batch, generate_one
-from lmsys.kv_cache import KVCache, StaticKVCache
-from lmsys.model import Transformer
+from lmsys.inference.generation import Sampling, fit_prompt, generate, generate_batch, generate_one
+from lmsys.model.kv_cache import KVCache, StaticKVCache
+from lmsys.model.transformer import Transformer
 from tests.export.conftest import SEQ, VOCAB, small_config
 
 PRESETS = [("tiny", []), ("seed_trax", []), ("seed_postln", []), ("seed_gpt", []),

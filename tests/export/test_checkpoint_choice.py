@@ -1,4 +1,4 @@
-"""Resume and every tool pick a run's checkpoint by one rule (lmsys.checkpoint): the newest
+"""Resume and every tool pick a run's checkpoint by one rule (lmsys.engine.checkpoint): the newest
 complete, intact one, with newer damaged ones reported and skipped. Checked on a real
 `torchrun -m lmsys.train` run (checkpoints at steps 3 and 6) whose newest checkpoint is cut short.
 """
@@ -10,10 +10,11 @@ import shutil
 
 import pytest
 
-from lmsys import checkpoint as ckpt
-from lmsys.errors import CheckpointError
-from lmsys.export import export_checkpoint, load_model, main
-from lmsys.rundir import CHECKPOINTS
+from lmsys.core.errors import CheckpointError
+from lmsys.engine import checkpoint as ckpt
+from lmsys.engine.rundir import CHECKPOINTS
+from lmsys.export import main
+from lmsys.interop.exports import export_checkpoint, load_model
 from tests.export.conftest import TRAIN_STEPS
 
 pytestmark = pytest.mark.slow

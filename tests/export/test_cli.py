@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lmsys.checkpoint import MARKER
+from lmsys.engine.checkpoint import MARKER
 from tests.export.conftest import SEQ, assert_one_line_error, run_clis
 
 LONG_PROMPT = " ".join(["Return a new list of the items."] * 12)  # well over 32 tokens
@@ -23,7 +23,7 @@ CORRUPT_MESSAGE = ("corrupt", "truncated")
 
 def _other_tokenizer(path: Path, vocab: int) -> Path:
     """A SentencePiece model of the same size trained on other text (another sha256)."""
-    from lmsys.tokenizer import train_tokenizer
+    from lmsys.data.tokenizer import train_tokenizer
     from tests.export.test_evaluate import held_out_text
 
     train_tokenizer([held_out_text()] * 2 + [t[::-1] for t in [held_out_text()] * 2], vocab, path)
@@ -33,7 +33,7 @@ def _other_tokenizer(path: Path, vocab: int) -> Path:
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, random_export, ds_checkpoints, tokenizer_path) -> dict[str, Path]:
     """The broken and good inputs of every call."""
-    from lmsys.export import load_export, write_export
+    from lmsys.interop.exports import load_export, write_export
     from tests.export.test_evaluate import held_out_text
 
     root = tmp_path_factory.mktemp("cli")
@@ -136,8 +136,8 @@ def test_export_bad_inputs(cli, files, ds_checkpoints, capsys):
 
 @pytest.mark.slow
 def test_generate_streams_the_greedy_continuation(cli, files):
-    from lmsys.export import load_export
-    from lmsys.generate import generate, prompt_ids
+    from lmsys.inference.generation import generate, prompt_ids
+    from lmsys.interop.exports import load_export
 
     proc = cli["generate-stream"]
     assert proc.returncode == 0, proc.stderr
@@ -148,8 +148,8 @@ def test_generate_streams_the_greedy_continuation(cli, files):
 
 
 def test_generate_batch_with_a_truncated_prompt(files, capsys):
-    from lmsys.export import load_export
-    from lmsys.generate import Sampling, fit_prompt, generate_one, prompt_ids
+    from lmsys.inference.generation import Sampling, fit_prompt, generate_one, prompt_ids
+    from lmsys.interop.exports import load_export
 
     args = [str(files["export"]), "prompt=Return the", f"prompt={LONG_PROMPT}", "on_long_prompt=truncate",
             "output=jsonl", "temperature=0.9", "top_k=40", "seed=5", "max_new_tokens=8"]  # fmt: skip
@@ -194,8 +194,8 @@ def test_generate_bad_inputs(cli, files, capsys):
 
 @pytest.mark.slow
 def test_eval_text_file(cli, files):
-    from lmsys.evaluate import evaluate_text
-    from lmsys.export import load_export
+    from lmsys.inference.evaluation import evaluate_text
+    from lmsys.interop.exports import load_export
 
     proc = cli["eval-text"]
     assert proc.returncode == 0, proc.stderr

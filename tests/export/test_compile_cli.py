@@ -74,7 +74,7 @@ def _without_a_cxx_compiler(tmp_path) -> dict[str, str]:
 
 AUTO_FALLBACK = """
 import torch
-from lmsys.compiling import compiled_for_cli
+from lmsys.model.compiling import compiled_for_cli
 model, warnings = torch.nn.Linear(4, 3), []
 want = model(torch.ones(2, 4))
 with compiled_for_cli("auto", torch.device("cuda"), "lmsys-test", "testing", warnings.append) as use:

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from lmsys.evaluate import EvalError, evaluate_text, evaluate_tokens, split_tokens, token_nll
-from lmsys.model import Transformer
+from lmsys.inference.evaluation import EvalError, evaluate_text, evaluate_tokens, split_tokens, token_nll
+from lmsys.model.transformer import Transformer
 from tests.export.conftest import small_config
 
 
@@ -51,7 +51,7 @@ def _direct_nll(model, tokens: list[int], seq_len: int, context: int) -> float:
 @pytest.mark.parametrize("preset", ["tiny", "seed_trax"])  # seed_trax: bos_shift
 @torch.no_grad()
 def test_text_eval_equals_the_training_loss_computed_directly(tokenizer_path, preset):
-    from lmsys.tokenizer import Tokenizer
+    from lmsys.data.tokenizer import Tokenizer
 
     tok = Tokenizer(tokenizer_path)
     torch.manual_seed(3)
@@ -90,9 +90,9 @@ def test_each_token_is_predicted_once_in_order(tokenizer_path):
 
 @torch.no_grad()
 def test_validation_split_eval(data_dir):
-    from lmsys.shards import PreparedData
-    from lmsys.tokenizer import Tokenizer
-    from lmsys.weights import build_model
+    from lmsys.data.shards import PreparedData
+    from lmsys.data.tokenizer import Tokenizer
+    from lmsys.model.weights import build_model
 
     tok = Tokenizer(data_dir / "tokenizer.model")
     torch.manual_seed(5)
@@ -109,7 +109,7 @@ def test_validation_split_eval(data_dir):
 
 
 def test_data_with_another_tokenizer_is_refused(data_dir, tmp_path):
-    from lmsys.tokenizer import Tokenizer, train_tokenizer
+    from lmsys.data.tokenizer import Tokenizer, train_tokenizer
 
     other = tmp_path / "other.model"
     train_tokenizer([held_out_text()] * 3, 400, other)

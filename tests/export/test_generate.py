@@ -8,10 +8,10 @@ import io
 import pytest
 import torch
 
-from lmsys.generate import (
+from lmsys.generate import TextStream
+from lmsys.inference.generation import (
     GenerationError,
     Sampling,
-    TextStream,
     filter_logits,
     fit_prompt,
     generate,
@@ -19,7 +19,7 @@ from lmsys.generate import (
     next_token,
     prompt_ids,
 )
-from lmsys.model import Transformer
+from lmsys.model.transformer import Transformer
 from tests.export.conftest import SEQ, SMALL, VOCAB, small_config
 
 
@@ -195,7 +195,7 @@ def test_bos_shift_models_get_their_start_token():
 
 
 def test_prompts_start_a_document(tokenizer_path):
-    from lmsys.tokenizer import Tokenizer
+    from lmsys.data.tokenizer import Tokenizer
 
     tok = Tokenizer(tokenizer_path)
     assert prompt_ids(tok, "Return the") == [tok.eos_id, *tok.encode("Return the")]
@@ -216,7 +216,7 @@ class _Writes(io.StringIO):
 
 
 def test_stream_prints_text_as_tokens_arrive_and_keeps_characters_whole(tokenizer_path):
-    from lmsys.tokenizer import Tokenizer
+    from lmsys.data.tokenizer import Tokenizer
 
     tok = Tokenizer(tokenizer_path)
     text = "Return a new list. \U0001f642 done"  # the emoji is 4 byte-fallback tokens
@@ -233,7 +233,7 @@ def test_stream_prints_text_as_tokens_arrive_and_keeps_characters_whole(tokenize
 
 def test_generation_from_an_export_matches_the_model(random_export):
     """load_export + generate gives what the in-memory model gives (export is lossless)."""
-    from lmsys.export import load_export
+    from lmsys.interop.exports import load_export
 
     model, tok, _ = load_export(random_export)
     torch.manual_seed(0)

@@ -27,7 +27,7 @@ import tomllib
 import torch
 from lm_eval.api.instance import Instance
 
-from lmsys.harness import HarnessError, LmsysLM
+from lmsys.inference.harness import HarnessError, LmsysLM
 from tests.export.conftest import REPO_ROOT, SEQ, run_clis, small_config
 from tests.export.test_evaluate import held_out_text
 
@@ -87,7 +87,7 @@ def harness_runs(tmp_path_factory, hf_export, random_export, tokenizer_path):
     """Side by side: lm_eval's CLI with the lmsys model and with its hf model on the three tasks,
     lmsys-eval on the rolling text, and the `lmsys-eval harness=` shortcut on the multiple-choice
     task (with the lmsys-format export)."""
-    from lmsys.tokenizer import Tokenizer
+    from lmsys.data.tokenizer import Tokenizer
 
     root = tmp_path_factory.mktemp("harness")
     tasks = write_tasks(root / "tasks")
@@ -141,7 +141,7 @@ def _direct_loglikelihood(model, tok, context: str, continuation: str) -> float:
 
 def _direct_accuracy(export: Path) -> tuple[float, list[list[float]]]:
     """(accuracy, each question's choice log-likelihoods) computed here from the model."""
-    from lmsys.export import load_export
+    from lmsys.interop.exports import load_export
 
     model, tok, _ = load_export(export)
     scores, correct = [], []
@@ -181,8 +181,8 @@ def test_rolling_perplexity_equals_lmsys_eval(harness_runs):
 
 
 def test_generation_equals_lmsys_generate(harness_runs, hf_export):
-    from lmsys.export import load_export
-    from lmsys.generate import generate
+    from lmsys.inference.generation import generate
+    from lmsys.interop.exports import load_export
 
     root, _ = harness_runs
     _, samples = _lm_eval_output(root / "lmsys")
@@ -235,9 +235,9 @@ def _requests(kind: str, args: list[tuple]) -> list[Instance]:
 
 def test_bos_shift_models_roll_like_lmsys_eval(tmp_path, tokenizer_path):
     """seed_trax (bos_shift): every window starts with bos_shift_id, as in lmsys-eval."""
-    from lmsys.evaluate import evaluate_text
-    from lmsys.export import write_export
-    from lmsys.model import Transformer
+    from lmsys.inference.evaluation import evaluate_text
+    from lmsys.interop.exports import write_export
+    from lmsys.model.transformer import Transformer
 
     cfg = small_config("seed_trax")
     torch.manual_seed(6)

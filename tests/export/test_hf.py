@@ -9,10 +9,11 @@ import re
 import pytest
 import torch
 
-from lmsys.config import compose_model
-from lmsys.export import ExportError, export_checkpoint, load_export, write_export
-from lmsys.hf import gpt2_difference, hf_config
-from lmsys.model import Transformer
+from lmsys.core.config import compose_model
+from lmsys.core.errors import ExportError
+from lmsys.interop.exports import export_checkpoint, load_export, write_export
+from lmsys.interop.hf import gpt2_difference, hf_config
+from lmsys.model.transformer import Transformer
 from tests.export.conftest import VOCAB, small_config
 
 # GPT-2's function at a shape no GPT-2 has: width 48 over 3 heads, d_ff not 4x, another eps.
@@ -51,7 +52,7 @@ def test_hf_export_loads_in_gpt2lmheadmodel_with_equal_logits(tmp_path, tokenize
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)  # fp32, another matmul order
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     # Greedy decoding with transformers' own KV cache continues exactly like lmsys's.
-    from lmsys.generate import generate
+    from lmsys.inference.generation import generate
 
     prompt = ids[:1, :6]
     hf_new = hf.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=2)[0, 6:]

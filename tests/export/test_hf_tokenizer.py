@@ -17,11 +17,11 @@ import pytest
 import sentencepiece as spm
 import torch
 
-from lmsys.errors import ExportError
-from lmsys.export import load_export, write_export
-from lmsys.hf_tokenizer import check_same_tokens, probe_texts
-from lmsys.model import Transformer
-from lmsys.tokenizer import Tokenizer
+from lmsys.core.errors import ExportError
+from lmsys.data.tokenizer import Tokenizer
+from lmsys.interop.exports import load_export, write_export
+from lmsys.interop.hf_tokenizer import check_same_tokens, probe_texts
+from lmsys.model.transformer import Transformer
 from tests.data.conftest import UNICODE_SAMPLES
 from tests.export.conftest import small_config
 from tests.stdlib_text import module_docstrings
@@ -102,7 +102,7 @@ def test_the_usual_hf_perplexity_is_lmsys_perplexity(hf_export, auto_tokenizer, 
 
 @torch.no_grad()
 def test_pipeline_and_the_model_card_snippet_print_lmsys_text(hf_export, transformers, tokenizer_path):
-    from lmsys.generate import Sampling, generate_one
+    from lmsys.inference.generation import Sampling, generate_one
 
     greedy = Sampling(greedy=True)
 

@@ -1,4 +1,4 @@
-"""lmsys.scoring: continuation log-likelihoods, batched, a shared context run once through the KV
+"""lmsys.inference.scoring: continuation log-likelihoods, batched, a shared context run once through the KV
 cache, against a plain forward of each sequence alone."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from lmsys.model import Transformer, next_token_pairs
-from lmsys.scoring import loglikelihoods
+from lmsys.inference.scoring import loglikelihoods
+from lmsys.model.transformer import Transformer, next_token_pairs
 from tests.export.conftest import SEQ, VOCAB, small_config
 
 

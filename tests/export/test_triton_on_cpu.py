@@ -1,7 +1,7 @@
 """A model.kernels=triton export runs through lmsys-generate and lmsys-eval on a machine without
 CUDA, as a user starts them: no TRITON_INTERPRET in the environment (this session's conftest set
 it for itself, so the child's environment drops it). The CLIs select the Triton CPU interpreter
-(lmsys.ops.prepare_kernels); without it the first kernel call fails. The results equal those of
+(lmsys.model.ops.prepare_kernels); without it the first kernel call fails. The results equal those of
 the same weights exported with kernels=torch.
 """
 
@@ -13,8 +13,8 @@ import subprocess
 import pytest
 import torch
 
-from lmsys.export import write_export
-from lmsys.model import Transformer
+from lmsys.interop.exports import write_export
+from lmsys.model.transformer import Transformer
 from tests.export.conftest import REPO_ROOT, child_env, cli_command, run_side_by_side, small_config
 
 pytestmark = pytest.mark.skipif(

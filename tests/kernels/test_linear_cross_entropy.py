@@ -23,7 +23,7 @@ from kernels.linear_cross_entropy import (
     linear_cross_entropy_forward,
 )
 from kernels.reference import chunked_linear_cross_entropy, lce_default_chunk, linear_cross_entropy_reference
-from lmsys.model import weighted_next_token_loss
+from lmsys.model.transformer import weighted_next_token_loss
 from tests.conftest import DEVICE
 
 LCE = importlib.import_module("kernels.linear_cross_entropy")

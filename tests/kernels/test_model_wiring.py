@@ -1,7 +1,7 @@
 """The model with model.kernels=triton equals model.kernels=torch, forward and every gradient.
 
 On CPU the Triton kernels run through the interpreter (tests/conftest.py), so this checks the
-wiring in lmsys/ops.py and the kernels' agreement with the torch path inside a whole model.
+wiring in lmsys/model/ops.py and the kernels' agreement with the torch path inside a whole model.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmsys.config import compose_model
-from lmsys.model import Transformer
+from lmsys.core.config import compose_model
+from lmsys.model.transformer import Transformer
 from tests.conftest import DEVICE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-KERNEL_MODULES = {  # lmsys.ops calls the kernels through their custom ops
+KERNEL_MODULES = {  # lmsys.model.ops calls the kernels through their custom ops
     "flash_attention": "kernels.library",
     "layer_norm": "kernels.library",
     "add_layer_norm": "kernels.library",
@@ -61,7 +61,7 @@ def _pair(preset: str, extra: list[str]) -> tuple[Transformer, Transformer]:
 
 
 def _count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Counter:
-    """Wrap the kernels' entry points in their modules (lmsys.ops imports them from there at call
+    """Wrap the kernels' entry points in their modules (lmsys.model.ops imports them from there at call
     time)."""
     calls: Counter = Counter()
     for name, module_name in KERNEL_MODULES.items():
@@ -105,7 +105,7 @@ def test_triton_model_equals_torch_model(preset: str, monkeypatch: pytest.Monkey
 
 
 def test_auto_uses_torch_on_cpu_and_triton_on_cuda() -> None:
-    from lmsys import ops
+    from lmsys.model import ops
 
     cpu = torch.zeros(1)
     assert not ops.use_triton(cpu, "auto")
@@ -189,7 +189,7 @@ def test_prepare_kernels_after_a_compiled_triton_import_is_one_clear_error():
         import torch
         import triton  # compiled mode: TRITON_INTERPRET is unset
         from lmsys import ops
-        from lmsys.errors import ConfigError
+        from lmsys.core.errors import ConfigError
         assert ops._imported_triton_mode() == "compiled"
         for kernels, device in [("auto", "cpu"), ("torch", "cpu"), ("triton", "cuda")]:
             ops.prepare_kernels(kernels, device)  # nothing to do, nothing raised
@@ -211,7 +211,7 @@ def test_prepare_kernels_after_a_compiled_triton_import_is_one_clear_error():
 
 
 def test_prepare_kernels_warns_of_the_interpreter_on_cuda(monkeypatch, capsys):
-    from lmsys import ops
+    from lmsys.model import ops
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     ops.prepare_kernels("torch", "cuda")
@@ -226,8 +226,8 @@ def test_prepare_kernels_warns_of_the_interpreter_on_cuda(monkeypatch, capsys):
 
 def test_prepare_kernels_in_this_session():
     """Here triton was imported as conftest chose: interpreter on CPU, compiled with CUDA."""
-    from lmsys import ops
-    from lmsys.errors import ConfigError
+    from lmsys.core.errors import ConfigError
+    from lmsys.model import ops
 
     for choice in ("auto", "torch"):
         ops.prepare_kernels(choice, "cpu")
@@ -270,7 +270,7 @@ def test_fused_loss_on_cpu_selects_the_interpreter_before_triton_is_imported():
         import os, sys
         import torch
         from lmsys import ops
-        from lmsys.errors import ConfigError
+        from lmsys.core.errors import ConfigError
         assert "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ
         """,
         _FUSED_LOSS,
@@ -292,7 +292,7 @@ def test_fused_loss_on_cpu_after_a_compiled_triton_import_is_one_clear_error():
         import torch
         import triton  # compiled mode, as DeepSpeed's start-up imports it
         from lmsys import ops
-        from lmsys.errors import ConfigError
+        from lmsys.core.errors import ConfigError
         """,
         _FUSED_LOSS,
     )

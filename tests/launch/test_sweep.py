@@ -32,7 +32,7 @@ from tests.launch.conftest import (
 
 def wandb_groups(run_dir: Path) -> list[str]:
     """The W&B group of every offline run under run_dir/wandb."""
-    from lmsys.metrics import wandb_records
+    from lmsys.training.metrics import wandb_records
 
     groups = []
     for path in sorted(run_dir.glob("wandb/*run-*/run-*.wandb")):

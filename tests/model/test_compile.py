@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from kernels import library
-from lmsys.compiling import compile_stats
-from lmsys.config import compile_choice, compose, compose_model
-from lmsys.errors import ConfigError
-from lmsys.generate import generate
-from lmsys.kv_cache import StaticKVCache
-from lmsys.model import Transformer
+from lmsys.core.config import compile_choice, compose, compose_model
+from lmsys.core.errors import ConfigError
+from lmsys.inference.generation import generate
+from lmsys.model.compiling import compile_stats
+from lmsys.model.kv_cache import StaticKVCache
+from lmsys.model.transformer import Transformer
 from tests.conftest import DEVICE
 
 SMALL = ["vocab_size=37", "d_model=32", "n_heads=2", "n_layers=2", "max_seq_len=24", "ffn.d_ff=48"]
@@ -132,7 +132,7 @@ def test_compiled_equals_eager(preset: str) -> None:
 def test_inductor_equals_eager() -> None:
     """What trainer.compile=true does: the engine's LossModule compiled in place with inductor
     (the state-dict keys do not change)."""
-    from lmsys.engine import LossModule  # the engine room (DeepSpeed is imported only to initialize)
+    from lmsys.engine.zero import LossModule  # the engine room (DeepSpeed is imported only to initialize)
 
     module = LossModule(small_model("tiny", ["kernels=torch"]))
     tokens, weights = batch()

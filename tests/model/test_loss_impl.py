@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmsys import ops
-from lmsys.checkpoint import model_differences
-from lmsys.config import LOSS_IMPLS, compose, compose_model, config_to_dict
-from lmsys.errors import ConfigError
-from lmsys.model import Transformer
+from lmsys.core.config import LOSS_IMPLS, compose, compose_model, config_to_dict
+from lmsys.core.errors import ConfigError
+from lmsys.engine.checkpoint import model_differences
+from lmsys.model import ops
+from lmsys.model.transformer import Transformer
 from tests.conftest import DEVICE
 
 SMALL = ["vocab_size=37", "d_model=32", "n_heads=2", "n_layers=2", "max_seq_len=24", "ffn.d_ff=48"]

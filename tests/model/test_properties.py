@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmsys.config import compose, compose_model
-from lmsys.errors import ConfigError
-from lmsys.kv_cache import KVCache
-from lmsys.model import Transformer, weighted_next_token_loss
+from lmsys.core.config import compose, compose_model
+from lmsys.core.errors import ConfigError
+from lmsys.model.kv_cache import KVCache
+from lmsys.model.transformer import Transformer, weighted_next_token_loss
 from tests.model import references as ref
 
 SMALL = ["vocab_size=31", "d_model=16", "n_heads=4", "n_layers=2", "max_seq_len=12", "ffn.d_ff=24"]
@@ -66,7 +66,7 @@ def test_factored_and_bilinear_head_forms_agree() -> None:
 
 
 def test_matrix_softmax_reference_option_normalises_whole_matrix() -> None:
-    from lmsys import ops
+    from lmsys.model import ops
 
     q, k, v = (torch.randn(1, 1, 5, 4, dtype=torch.float64) for _ in range(3))
     out = ops.matrix_softmax_attention(q, k, v, causal=True, scale=0.5)
@@ -189,7 +189,7 @@ def test_memorises_a_repeated_batch(preset: str) -> None:
 def test_activation_checkpointing_keeps_the_padded_forward_and_its_gradients(preset: str) -> None:
     """engine.apply_activation_checkpointing re-runs each block in the backward with all of its
     arguments, the padding mask included."""
-    from lmsys.engine import apply_activation_checkpointing  # the engine room; DeepSpeed not needed
+    from lmsys.engine.zero import apply_activation_checkpointing  # the engine room; DeepSpeed not needed
 
     ids = torch.randint(0, 31, (2, 10), generator=torch.Generator().manual_seed(3))
     mask = torch.ones(2, 10, dtype=torch.bool)

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from lmsys.config import compose_model
-from lmsys.model import Transformer, fourier_t_table, sinusoidal_table
+from lmsys.core.config import compose_model
+from lmsys.model.transformer import Transformer, fourier_t_table, sinusoidal_table
 from tests.model import references as ref
 
 SMALL = ["vocab_size=23", "d_model=12", "n_heads=3", "n_layers=2", "max_seq_len=9", "ffn.d_ff=20"]

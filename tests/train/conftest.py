@@ -99,7 +99,7 @@ class Run:
     overrides: list[str] = field(default_factory=list)
 
     def records(self, kind: str = "train") -> list[dict]:
-        from lmsys.rundir import read_metrics
+        from lmsys.engine.rundir import read_metrics
 
         return read_metrics(self.run_dir, kind)
 

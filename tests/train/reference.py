@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from lmsys.config import compose
-from lmsys.engine import lr_at, param_groups
-from lmsys.model import Transformer, tokens_per_sample
-from lmsys.runtime import seed_everything
+from lmsys.core.config import compose, tokens_per_sample
+from lmsys.core.runtime import seed_everything
+from lmsys.engine.zero import lr_at, param_groups
+from lmsys.model.transformer import Transformer
 
 
 def plain_losses(
@@ -20,8 +20,8 @@ def plain_losses(
 ) -> dict[int, float]:
     """Loss per step of a plain loop over the whole global batch; `skip_steps` consume their batch
     but make no update (what a NaN step must amount to)."""
-    from lmsys.data import TokenLoader
-    from lmsys.shards import PreparedData
+    from lmsys.data.loader import TokenLoader
+    from lmsys.data.shards import PreparedData
 
     cfg = compose([*overrides, "model.loss_impl=full"])
     t, o = cfg.trainer, cfg.optim

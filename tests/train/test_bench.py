@@ -65,8 +65,8 @@ def test_gpu_path_builds_its_config_and_imports():
     """The CUDA path (gpt2_124m, T=1024, bf16, compile + SDPA) cannot run here; check that its
     configuration composes and its code imports."""
     from lmsys.bench.train import GPU_DEFAULTS, PlainLoop  # noqa: F401
-    from lmsys.config import compose
-    from lmsys.runtime import batch_plan
+    from lmsys.core.config import compose
+    from lmsys.core.runtime import batch_plan
 
     cfg = compose(GPU_DEFAULTS)
     plan = batch_plan(cfg, 1)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from lmsys.config import OptimConfig
-from lmsys.console import Console, StepReport, duration
-from lmsys.engine import lr_at
+from lmsys.core.config import OptimConfig
+from lmsys.core.console import Console, StepReport, duration
+from lmsys.engine.zero import lr_at
 from tests.train.conftest import MAX_STEPS, copy_run, run_train
 
 STEP_LINE = re.compile(

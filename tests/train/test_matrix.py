@@ -16,8 +16,8 @@ import math
 import pytest
 import yaml
 
-from lmsys.engine import lr_at
-from lmsys.metrics import wandb_config, wandb_history
+from lmsys.engine.zero import lr_at
+from lmsys.training.metrics import wandb_config, wandb_history
 from tests.train.conftest import CASES, MAX_STEPS, SEQ, run_train
 from tests.train.reference import plain_losses
 
@@ -166,7 +166,7 @@ def test_metrics_records(runs):
         assert r["mfu"] is None  # no peak FLOP/s for a CPU
         assert r["skipped"] is False
     cfg_lr = 3e-3
-    from lmsys.config import compose
+    from lmsys.core.config import compose
 
     optim = compose(["optim.lr=3e-3", "optim.warmup_steps=2"]).optim
     assert optim.lr == cfg_lr
@@ -211,8 +211,8 @@ def test_step_with_the_partly_weighted_last_sample_matches_plain_pytorch(runs, t
     """The split's last sample repeats tokens of the one before with weight 0; a step that draws
     it has fewer weighted predictions than G * seq_len, so the 2-rank run must not take the
     uniform-weights shortcut there. A seed whose first steps draw that sample, vs the plain loop."""
-    from lmsys.data import TokenLoader
-    from lmsys.shards import PreparedData
+    from lmsys.data.loader import TokenLoader
+    from lmsys.data.shards import PreparedData
 
     data = PreparedData(runs.data_dir)
     seed = next(

@@ -1,4 +1,4 @@
-"""Resuming on another world size and ZeRO stage (lmsys/reshard.py), with real runs:
+"""Resuming on another world size and ZeRO stage (lmsys/engine/reshard.py), with real runs:
 
 - 12 steps on 2 ranks at ZeRO-3, uninterrupted, against the same run stopped after step 6 (a
   SIGTERM to one rank: trainer.debug_signal_at_step) and continued on 1 rank at ZeRO-2, and
@@ -22,10 +22,10 @@ import sys
 import pytest
 import torch
 
-from lmsys import checkpoint as ckpt
-from lmsys.engine import LossModule, consolidated_state_dict
-from lmsys.model import Transformer
-from lmsys.reshard import MOMENTS, SavedState, trainable_in_optimizer_order
+from lmsys.engine import checkpoint as ckpt
+from lmsys.engine.reshard import MOMENTS, SavedState, trainable_in_optimizer_order
+from lmsys.engine.zero import LossModule, consolidated_state_dict
+from lmsys.model.transformer import Transformer
 from tests.train.conftest import child_env, copy_run, run_train
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from lmsys import checkpoint as ckpt
+from lmsys.engine import checkpoint as ckpt
 from tests.train.conftest import MAX_STEPS, child_env, copy_run, run_train, train_command
 from tests.train.reference import plain_losses
 
@@ -81,7 +81,7 @@ def killed_run(runs, tmp_path_factory):
     for p in survivors:
         p.kill()
     psutil.wait_procs(survivors, timeout=20)
-    from lmsys.rundir import read_metrics
+    from lmsys.engine.rundir import read_metrics
 
     steps = [r["step"] for r in read_metrics(run_dir, "train")]
     return run_dir, steps, [p.pid for p in survivors]
@@ -120,7 +120,7 @@ def test_resume_after_kill9_reproduces_the_losses_exactly(runs, resumed_run):
 def test_resumed_wandb_run_holds_the_whole_history(resumed_run):
     """The killed attempt's W&B file lost what was not flushed; the resumed attempt's file (same
     run id) holds every step: the earlier ones replayed from metrics.jsonl, then its own."""
-    from lmsys.metrics import wandb_files, wandb_history
+    from lmsys.training.metrics import wandb_files, wandb_history
 
     run = resumed_run.check()
     files = wandb_files(run.run_dir)
@@ -245,7 +245,7 @@ def test_dead_rank_ends_the_attempt_and_max_restarts_resumes(runs, tmp_path):
     assert "step_0000002 (step 2)" in proc.stdout
     run_dirs = [p for p in (tmp_path / "runs").iterdir()]
     assert len(run_dirs) == 1 and run_dirs[0].name.startswith("tiny-"), run_dirs
-    from lmsys.rundir import read_metrics
+    from lmsys.engine.rundir import read_metrics
 
     records = {r["step"]: r for r in read_metrics(run_dirs[0], "train")}
     assert sorted(records) == list(range(1, MAX_STEPS + 1))

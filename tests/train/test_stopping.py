@@ -1,4 +1,4 @@
-"""Stopping on a signal (lmsys/stopping.py), with real runs:
+"""Stopping on a signal (lmsys/training/stopping.py), with real runs:
 
 - Ctrl-C (SIGINT to the terminal's process group), in one process and under launch.torchrun:
   one line "interrupted: saving step N ...", a complete checkpoint of the last step, exit 130, no
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from lmsys import checkpoint as ckpt
+from lmsys.engine import checkpoint as ckpt
 from tests.train.conftest import child_env, run_train, train_command
 
 pytestmark = pytest.mark.slow

@@ -1,0 +1,8 @@
+"""The spellings of settings that take one of a few values, shared by the schema, the runtime and
+the command-line options. Standard library only: the light commands (launchers, --help) list them
+without importing torch or Hydra."""
+
+from __future__ import annotations
+
+DTYPE_NAMES = ("fp32", "bf16", "fp16")  # compute and storage dtypes (lmsys.core.runtime.DTYPES)
+COMPILE_CHOICES = ("auto", "true", "false")  # trainer.compile and the commands' compile=

@@ -1,0 +1,539 @@
+"""Typed configuration: the dataclass schema Hydra composes into, validation, derived values.
+
+Configuration is composed once (`compose` or a Hydra entry point), validated once (`validate`),
+and handed down as plain dataclass objects. Nothing below this module reads the global config.
+
+Every YAML file in conf/ only sets values; the schema lives here, registered with Hydra's
+ConfigStore as `lmsys_schema`, so a misspelled key or a wrongly typed value fails at
+composition. Value checks that types cannot express (heads dividing the width, known
+activation names, ...) live in `validate`, which raises `ConfigError` with one line naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig, OmegaConf
+
+from lmsys.core.choices import COMPILE_CHOICES
+from lmsys.core.errors import ConfigError
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repository's conf/
+
+POSITION_KINDS = ("learned", "sinusoidal", "fourier_T", "none")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "leaky_relu")
+NORM_FORMULAS = ("sqrt_var_eps", "std_plus_eps", "exact", "none")
+BLOCK_KINDS = ("none", "pre", "post", "parallel")
+SOFTMAX_KINDS = ("row", "matrix")
+KERNEL_CHOICES = ("auto", "triton", "torch")
+LOSS_IMPLS = ("auto", "fused", "chunked", "full")
+
+
+def compile_choice(value: object) -> str:
+    """trainer.compile as one of COMPILE_CHOICES' spellings (Hydra turns `true` into a bool)."""
+    return str(value).lower()
+
+
+# ----------------------------------------------------------------------------- model
+
+
+@dataclass
+class PositionsConfig:
+    kind: str = "learned"  # learned | sinusoidal | fourier_T | none (SPEC section 2)
+    trainable: bool = True  # sinusoidal / fourier_T: a Parameter initialised by the formula, or a buffer
+    origin: int = 0  # sinusoidal: number of the first position (seed 001 counts from 1)
+
+
+@dataclass
+class AttentionConfig:
+    causal: bool = True
+    scale: float | None = None  # None means 1/sqrt(d_qk); seed 000 uses 1.0 (W_QK absorbs it)
+    d_qk: int | None = None  # per-head query/key width; None means d_model // n_heads
+    d_vo: int | None = None  # per-head value/output width; None means d_model // n_heads
+    q_bias: bool = True
+    k_bias: bool = True
+    v_bias: bool = True
+    o_bias: bool = True
+    # "row" is the softmax every seed's function needs; "matrix" normalises over the whole
+    # (masked) score matrix, the literal reading of seeds 000/003, kept as a reference option.
+    softmax: str = "row"
+
+
+@dataclass
+class FFNConfig:
+    activation: str = "gelu_tanh"
+    d_ff: int | None = None  # None means 4 * d_model
+    n_hidden_layers: int = 1  # seed 000 allows any depth; activation on hidden layers only
+    bias: bool = True
+    bias_after_activation: bool = False  # seed 002: W2 (phi(W1 x) + b1) + b2
+
+
+@dataclass
+class NormConfig:
+    formula: str = "sqrt_var_eps"  # sqrt_var_eps | std_plus_eps | exact | none (identity)
+    eps: float = 1e-5
+    affine: bool = True
+
+
+@dataclass
+class ModelConfig:
+    name: str = "custom"
+    vocab_size: int = 50257
+    d_model: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    max_seq_len: int = 1024  # T_max: learned table size, sinusoidal rows, fourier_T's base T
+    positions: PositionsConfig = field(default_factory=PositionsConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    ffn: FFNConfig = field(default_factory=FFNConfig)
+    norm: NormConfig = field(default_factory=NormConfig)
+    block: str = "pre"  # none | pre | post | parallel (SPEC section 6)
+    final_norm: bool = True
+    tied_embeddings: bool = True
+    unembed_bias: bool = False
+    bos_shift: bool = False  # seed 001's loss: prepend token `bos_shift_id` so every token is predicted
+    bos_shift_id: int = 0
+    init_std: float = 0.02
+    kernels: str = "auto"  # auto (Triton on CUDA, torch elsewhere) | triton | torch
+    # How Transformer.loss computes the same function from the last hidden states: fused (the Triton
+    # kernel), chunked (torch, a chunk of tokens at a time), neither materialising the (tokens, V)
+    # logits; full (logits, then cross-entropy); auto: fused where model.kernels runs Triton (CUDA
+    # by default), chunked elsewhere.
+    loss_impl: str = "auto"
+    # An export directory whose weights start a training run (fine-tuning; lmsys.export.initial_model):
+    # its model must compute the same function as this config. A resumed run ignores it.
+    init_from: str | None = None
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@dataclass
+class DataConfig:
+    # Inputs for lmsys-prepare: files, directories or globs of .txt/.md/.jsonl(.gz). Empty means
+    # the default corpus (documentation text of the Python standard library on this machine).
+    sources: list[str] = field(default_factory=list)
+    dir: str = "data/default"  # prepared tokenizer.model + shards + manifest.json
+    tokenizer: str | None = None  # reuse this tokenizer.model instead of training one
+    vocab_size: int = "${model.vocab_size}"  # type: ignore[assignment]  # one source of truth
+    text_field: str = "text"  # .jsonl field holding the document text
+    val_fraction: float = 0.05
+    tokenizer_sample_bytes: int = 20_000_000  # train the tokenizer on a bounded random sample
+    on_decode_error: str = "error"  # error | skip: undecodable bytes
+    num_workers: int = 0  # 0 means all cores
+    shard_tokens: int = 50_000_000
+    seq_len: int = "${model.max_seq_len}"  # type: ignore[assignment]
+    mask_doc_boundaries: bool = False  # zero loss weight on predictions across an eos boundary
+    seed: int = 1234
+    overwrite: bool = False  # lmsys-prepare: re-prepare even when data.dir already matches the sources
+
+
+# ----------------------------------------------------------------------------- optimisation
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 100
+    # The step at which the cosine reaches its floor; 0: trainer.max_steps of the run's first launch.
+    # A resumed run with a higher trainer.max_steps keeps its schedule (the lr stays at the floor
+    # after it) unless this is set: e.g. optim.decay_steps=<new max_steps> stretches the cosine.
+    decay_steps: int = 0
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+@dataclass
+class DeepSpeedConfig:
+    stage: int = 2  # ZeRO stage 0..3
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16
+    activation_checkpointing: bool = False
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    reduce_bucket_size: int = 50_000_000
+    allgather_bucket_size: int = 50_000_000
+    # ZeRO-3 keeps parameters smaller than this (elements) whole on every rank (DeepSpeed's
+    # stage3_param_persistence_threshold); 0 partitions every parameter.
+    param_persistence_threshold: int = 100_000
+
+
+@dataclass
+class LoggerConfig:
+    wandb: str = "offline"  # online | offline | disabled; online needs WANDB_API_KEY in the environment
+    project: str = "lmsys"
+    entity: str | None = None
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+    log_interval: int = 10  # steps between W&B records (metrics.jsonl gets every step)
+    # steps between plain progress lines when the console is not a terminal (a log file, a pipe,
+    # SLURM) or trainer.progress=false; a terminal shows the progress bar instead
+    console_interval: int = 10
+
+
+@dataclass
+class TrainerConfig:
+    run_dir: str | None = None  # None: runs/<model.name>-<timestamp>, shared by every rank
+    seed: int = 1337
+    max_steps: int = 1000
+    global_batch_tokens: int = 65536  # tokens per optimizer step across all ranks
+    micro_batch_size: int = 8  # sequences per rank per forward
+    eval_interval: int = 200
+    eval_batches: int = 0  # validation micro-batches per rank; 0: the whole validation split
+    save_interval: int = 500  # also saved at the end, and after the step under way on SIGTERM/SIGUSR1/Ctrl-C
+    keep_last: int = 3  # complete, intact checkpoints kept (damaged ones are moved to checkpoints/damaged/)
+    # auto | never | <checkpoint dir or run dir: its newest intact checkpoint>; on any world size and
+    # ZeRO stage that splits the global batch
+    resume: str = "auto"
+    max_nan_skips: int = 5
+    device: str = "auto"  # auto | cpu | cuda
+    progress: bool = True
+    # torch.compile the model: auto (on CUDA; eager elsewhere, and eager if compiling fails), true
+    # (a failure is an error), false (eager)
+    compile: str = "auto"
+    dist_timeout_s: float = 600.0  # collective timeout: a dead or hung rank brings the job down
+    # Fault injection for tests (leave empty in real runs): make the loss NaN at these steps,
+    # sleep this long after every step, make the last rank exit at this step on a first attempt,
+    # make the last rank send itself SIGTERM during this step (a preemption that reaches one rank),
+    # sleep this long inside every checkpoint save (before it is committed).
+    debug_nan_steps: list[int] = field(default_factory=list)
+    debug_step_delay_s: float = 0.0
+    debug_crash_at_step: int = 0
+    debug_signal_at_step: int = 0
+    debug_save_delay_s: float = 0.0
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def register_configs() -> None:
+    """Register the schema so conf/config.yaml can start its defaults list with `lmsys_schema`."""
+    ConfigStore.instance().store(name="lmsys_schema", node=Config)
+
+
+register_configs()
+
+
+# ----------------------------------------------------------------------------- derived values
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Widths the model actually uses, derived once from a ModelConfig."""
+
+    d_qk: int
+    d_vo: int
+    d_ff: int
+    attention_scale: float
+
+
+def model_dims(cfg: ModelConfig) -> ModelDims:
+    d_qk = cfg.attention.d_qk if cfg.attention.d_qk is not None else cfg.d_model // cfg.n_heads
+    d_vo = cfg.attention.d_vo if cfg.attention.d_vo is not None else cfg.d_model // cfg.n_heads
+    d_ff = cfg.ffn.d_ff if cfg.ffn.d_ff is not None else 4 * cfg.d_model
+    scale = cfg.attention.scale if cfg.attention.scale is not None else 1.0 / math.sqrt(d_qk)
+    return ModelDims(d_qk=d_qk, d_vo=d_vo, d_ff=d_ff, attention_scale=scale)
+
+
+def context_prefix(cfg: ModelConfig) -> list[int]:
+    """Token ids every input of this model starts with: [bos_shift_id] under bos_shift (position
+    0 always held it in training), none otherwise."""
+    return [cfg.bos_shift_id] if cfg.bos_shift else []
+
+
+def autoregressive(cfg: ModelConfig) -> bool:
+    """Whether earlier positions never see later tokens (causal row-softmax attention): then a KV
+    cache is exact, and tokens appended after a sequence cannot change its earlier outputs."""
+    return cfg.attention.causal and cfg.attention.softmax == "row"
+
+
+def tokens_per_sample(cfg: ModelConfig, seq_len: int) -> int:
+    """Tokens a training sequence spans so the forward covers `seq_len` positions: seq_len + 1
+    with the usual shift (the first token is only context), seq_len under bos_shift."""
+    return seq_len + 1 - len(context_prefix(cfg))
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _one_of(key: str, value: Any, valid: tuple[str, ...]) -> None:
+    _require(value in valid, f"{key}={value!r} is not valid; choose one of: {', '.join(valid)}")
+
+
+def validate_model(cfg: ModelConfig, prefix: str = "model") -> None:
+    p = prefix
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+        _require(getattr(cfg, key) >= 1, f"{p}.{key}={getattr(cfg, key)} must be >= 1")
+    _one_of(f"{p}.positions.kind", cfg.positions.kind, POSITION_KINDS)
+    _one_of(f"{p}.ffn.activation", cfg.ffn.activation, ACTIVATIONS)
+    _one_of(f"{p}.norm.formula", cfg.norm.formula, NORM_FORMULAS)
+    _one_of(f"{p}.block", cfg.block, BLOCK_KINDS)
+    _one_of(f"{p}.attention.softmax", cfg.attention.softmax, SOFTMAX_KINDS)
+    _one_of(f"{p}.kernels", cfg.kernels, KERNEL_CHOICES)
+    _one_of(f"{p}.loss_impl", cfg.loss_impl, LOSS_IMPLS)
+    _require(cfg.positions.origin in (0, 1), f"{p}.positions.origin={cfg.positions.origin} must be 0 or 1")
+    if cfg.positions.kind in ("sinusoidal", "fourier_T"):
+        _require(
+            cfg.d_model % 2 == 0,
+            f"{p}.d_model={cfg.d_model} must be even for {p}.positions.kind={cfg.positions.kind}",
+        )
+    for key in ("d_qk", "d_vo"):
+        value = getattr(cfg.attention, key)
+        if value is None:
+            _require(
+                cfg.d_model % cfg.n_heads == 0,
+                f"{p}.n_heads={cfg.n_heads} does not divide {p}.d_model={cfg.d_model} "
+                f"(needed while {p}.attention.{key} is unset)",
+            )
+        else:
+            _require(value >= 1, f"{p}.attention.{key}={value} must be >= 1")
+    if cfg.attention.scale is not None:
+        _require(cfg.attention.scale > 0, f"{p}.attention.scale={cfg.attention.scale} must be > 0")
+    if cfg.ffn.d_ff is not None:
+        _require(cfg.ffn.d_ff >= 1, f"{p}.ffn.d_ff={cfg.ffn.d_ff} must be >= 1")
+    _require(cfg.ffn.n_hidden_layers >= 1, f"{p}.ffn.n_hidden_layers={cfg.ffn.n_hidden_layers} must be >= 1")
+    _require(cfg.norm.eps >= 0, f"{p}.norm.eps={cfg.norm.eps} must be >= 0")
+    _require(cfg.init_std > 0, f"{p}.init_std={cfg.init_std} must be > 0")
+    if cfg.block in ("pre", "post"):
+        _require(
+            cfg.norm.formula != "none",
+            f"{p}.norm.formula=none is only valid with {p}.block=none or parallel "
+            f"(got {p}.block={cfg.block})",
+        )
+    if cfg.final_norm:
+        _require(cfg.norm.formula != "none", f"{p}.final_norm=true needs a {p}.norm.formula other than none")
+    if cfg.attention.softmax == "matrix":
+        _require(
+            cfg.kernels != "triton",
+            f"{p}.attention.softmax=matrix is a torch-only reference option; set {p}.kernels=torch or auto",
+        )
+    _require(
+        0 <= cfg.bos_shift_id < cfg.vocab_size,
+        f"{p}.bos_shift_id={cfg.bos_shift_id} must be a token id in [0, {p}.vocab_size={cfg.vocab_size})",
+    )
+
+
+def validate(cfg: Config) -> Config:
+    validate_model(cfg.model)
+    d, t, o, ds, lg = cfg.data, cfg.trainer, cfg.optim, cfg.deepspeed, cfg.logger
+    _require(
+        d.vocab_size == cfg.model.vocab_size, f"data.vocab_size={d.vocab_size} must equal model.vocab_size"
+    )
+    _require(d.seq_len >= 1, f"data.seq_len={d.seq_len} must be >= 1")
+    if cfg.model.positions.kind != "none":
+        _require(
+            d.seq_len <= cfg.model.max_seq_len,
+            f"data.seq_len={d.seq_len} is longer than the model's positions "
+            f"(model.max_seq_len={cfg.model.max_seq_len})",
+        )
+    _require(0.0 < d.val_fraction < 1.0, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
+    _one_of("data.on_decode_error", d.on_decode_error, ("error", "skip"))
+    _require(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be >= 0 (0 means all cores)")
+    _require(d.shard_tokens >= 1, f"data.shard_tokens={d.shard_tokens} must be >= 1")
+    _require(
+        d.tokenizer_sample_bytes >= 1, f"data.tokenizer_sample_bytes={d.tokenizer_sample_bytes} must be >= 1"
+    )
+    _require(bool(d.text_field), "data.text_field must not be empty")
+    _require(bool(d.dir), "data.dir must not be empty")
+    _require(o.lr > 0, f"optim.lr={o.lr} must be > 0")
+    _require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
+    _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    _require(o.decay_steps >= 0, f"optim.decay_steps={o.decay_steps} must be >= 0 (0: trainer.max_steps)")
+    _require(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping)")
+    _require(ds.stage in (0, 1, 2, 3), f"deepspeed.stage={ds.stage} is not valid; choose one of: 0, 1, 2, 3")
+    _one_of("deepspeed.precision", ds.precision, ("auto", "fp32", "bf16", "fp16"))
+    _one_of("logger.wandb", lg.wandb, ("online", "offline", "disabled"))
+    _require(lg.log_interval >= 1, f"logger.log_interval={lg.log_interval} must be >= 1")
+    _require(lg.console_interval >= 1, f"logger.console_interval={lg.console_interval} must be >= 1")
+    _require(t.max_steps >= 1, f"trainer.max_steps={t.max_steps} must be >= 1")
+    _require(t.micro_batch_size >= 1, f"trainer.micro_batch_size={t.micro_batch_size} must be >= 1")
+    _require(t.global_batch_tokens >= 1, f"trainer.global_batch_tokens={t.global_batch_tokens} must be >= 1")
+    _require(t.keep_last >= 1, f"trainer.keep_last={t.keep_last} must be >= 1")
+    _require(t.eval_interval >= 1, f"trainer.eval_interval={t.eval_interval} must be >= 1")
+    _require(
+        t.eval_batches >= 0,
+        f"trainer.eval_batches={t.eval_batches} must be >= 0 (0: the whole validation split)",
+    )
+    _require(t.save_interval >= 1, f"trainer.save_interval={t.save_interval} must be >= 1")
+    _require(t.max_nan_skips >= 0, f"trainer.max_nan_skips={t.max_nan_skips} must be >= 0")
+    _require(t.dist_timeout_s > 0, f"trainer.dist_timeout_s={t.dist_timeout_s} must be > 0")
+    _require(
+        compile_choice(t.compile) in COMPILE_CHOICES,
+        f"trainer.compile={t.compile} is not valid; choose one of: {', '.join(COMPILE_CHOICES)}",
+    )
+    _require(bool(t.resume), "trainer.resume must be auto, never or a checkpoint directory")
+    _require(
+        ds.param_persistence_threshold >= 0,
+        f"deepspeed.param_persistence_threshold={ds.param_persistence_threshold} must be >= 0",
+    )
+    if ds.offload_param:
+        _require(ds.stage == 3, f"deepspeed.offload_param=true needs deepspeed.stage=3 (got {ds.stage})")
+    if ds.offload_optimizer:
+        _require(ds.stage >= 1, "deepspeed.offload_optimizer=true needs deepspeed.stage >= 1 (got 0)")
+    _one_of("trainer.device", t.device, ("auto", "cpu", "cuda"))
+    return cfg
+
+
+# ----------------------------------------------------------------------------- composition
+
+
+def to_config(cfg: DictConfig | Config) -> Config:
+    """Turn a composed DictConfig (Hydra's, possibly with a `hydra` node) into a validated Config."""
+    if isinstance(cfg, Config):
+        return validate(cfg)
+    container = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(container, dict)
+    container.pop("hydra", None)
+    structured = OmegaConf.merge(OmegaConf.structured(Config), container)
+    obj = OmegaConf.to_object(structured)
+    assert isinstance(obj, Config)
+    return validate(obj)
+
+
+def hydra_error_line(exc: BaseException) -> str:
+    """Hydra and OmegaConf errors carry several lines and a chain of causes; keep one line that
+    names the key (the first message with a `full_key:`), plus the valid options when listed and,
+    for a misspelled key or group choice, the nearest valid one."""
+    chain: list[str] = []
+    seen: BaseException | None = exc
+    while seen is not None and len(chain) < 10:
+        if str(seen).strip():
+            chain.append(str(seen).strip())
+        seen = seen.__cause__ or seen.__context__
+    if not chain:
+        return type(exc).__name__
+    text = next((m for m in chain if "full_key:" in m), chain[0])
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    head = lines[0]
+    full_key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), "")
+    if full_key and full_key not in head:
+        head = f"{head} (key: {full_key})"
+    if "Available options" in text:
+        options = text.split("Available options", 1)[1].split("Config search path", 1)[0]
+        names = [ln.strip() for ln in options.splitlines()[1:] if ln.strip()]
+        head = f"{head}; available: {', '.join(names)}"
+        missing = re.search(r"Could not find '([^/']+)/([^']+)'", head)
+        if missing:
+            head += _did_you_mean(missing.group(2), names, f"{missing.group(1)}=")
+    unknown = re.match(r"Key '([^']+)' not in '(\w+)'", head)
+    if unknown:
+        parent = full_key.rpartition(".")[0] if full_key else ""
+        prefix = f"{parent}." if parent else ""
+        head += _did_you_mean(unknown.group(1), schema_keys(parent), prefix)
+    return head
+
+
+def _did_you_mean(word: str, valid: list[str], prefix: str) -> str:
+    close = difflib.get_close_matches(word, valid, n=1, cutoff=0.6)
+    return f"; did you mean {prefix}{close[0]}?" if close else ""
+
+
+def schema_keys(path: str = "") -> list[str]:
+    """The keys the schema allows under a dotted path ("" for the top level, e.g. "model.ffn")."""
+    node: Any = Config
+    for part in [p for p in path.split(".") if p]:
+        hints = typing.get_type_hints(node)
+        if part not in hints or not dataclasses.is_dataclass(hints[part]):
+            return []
+        node = hints[part]
+    return [f.name for f in dataclasses.fields(node)]
+
+
+def compose(overrides: list[str] | None = None, config_name: str = "config") -> Config:
+    """Compose conf/<config_name>.yaml with Hydra overrides and return the validated Config.
+
+    The public entry point used by every CLI and by outside checks. Raises ConfigError with one
+    line naming the key for a misspelled key, a wrong type, or an invalid value.
+    """
+    overrides = list(overrides or [])
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            composed = hydra_compose(config_name=config_name, overrides=overrides)
+        return to_config(composed)
+    except ConfigError:
+        raise
+    except Exception as exc:  # Hydra/OmegaConf raise many types; the user needs one line
+        bare = [o for o in overrides if "=" not in o and not o.startswith("~")]
+        hint = " (overrides are key=value, e.g. model=seed_trax or data.dir=data/mine)" if bare else ""
+        raise ConfigError(hydra_error_line(exc) + hint) from exc
+
+
+def config_groups() -> dict[str, tuple[list[str], str | None]]:
+    """Each config group of conf/ -> (its choices, the default conf/config.yaml picks)."""
+    defaults: dict[str, str] = {}
+    for entry in OmegaConf.load(CONF_DIR / "config.yaml").get("defaults", []):
+        if isinstance(entry, (DictConfig, dict)):
+            for key, value in dict(entry).items():
+                if not str(key).startswith("override"):
+                    defaults[str(key)] = str(value)
+    groups = {}
+    for directory in sorted(p for p in CONF_DIR.rglob("*") if p.is_dir()):
+        choices = sorted(f.stem for f in directory.glob("*.yaml"))
+        if choices:
+            group = directory.relative_to(CONF_DIR).as_posix()
+            groups[group] = (choices, defaults.get(group))
+    return groups
+
+
+def compose_model(preset: str, overrides: list[str] | None = None) -> ModelConfig:
+    """The ModelConfig of a conf/model preset with model-relative overrides, e.g. ["d_model=32"]."""
+    return compose([f"model={preset}", *[f"model.{o}" for o in (overrides or [])]]).model
+
+
+def flatten_dict(data: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config as dotted keys: {"model": {"d_model": 8}} -> {"model.d_model": 8}."""
+    if not isinstance(data, dict):
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(flatten_dict(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    container = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    assert isinstance(container, dict)
+    return container
+
+
+def model_config_from_dict(data: dict[str, Any]) -> ModelConfig:
+    """Rebuild a validated ModelConfig from its dict form (config.json of an export, a checkpoint)."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), data)
+        obj = OmegaConf.to_object(merged)
+    except Exception as exc:
+        raise ConfigError(hydra_error_line(exc)) from exc
+    assert isinstance(obj, ModelConfig)
+    validate_model(obj)
+    return obj

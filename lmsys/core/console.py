@@ -1,0 +1,203 @@
+"""What a training run shows the person who started it: one object, rank 0 only.
+
+Lines go to stdout, warnings to stderr as `<prog>: warning: ...`, and while the progress bar is up
+both go through it, so they print above the bar instead of tearing it. The other ranks of a job
+print nothing: they do the same work and would only repeat rank 0.
+
+Two modes. In a terminal (stderr is a tty) with trainer.progress=true, a progress bar over the
+steps. Anywhere else (a log file, `| tee`, SLURM, CI) or with trainer.progress=false, a bar would
+be carriage-return frames in one endless line: a plain line every logger.console_interval steps
+instead (and at the first and last step of a launch), with the same fields evaluation lines show.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+# ----------------------------------------------------------------------------- one-line messages
+
+
+def one_line(exc: BaseException) -> str:
+    """The exception's message with its whitespace (newlines included) folded to single spaces."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def is_reporting_rank() -> bool:
+    """Rank 0 reports; the other ranks of a job fail with the same status, silently."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def report_error(prog: str, exc: BaseException) -> None:
+    """`<prog>: error: <message>` on stderr (rank 0 only)."""
+    if is_reporting_rank():
+        sys.stdout.flush()
+        print(f"{prog}: error: {one_line(exc)}", file=sys.stderr, flush=True)
+
+
+def warn(prog: str, message: str) -> None:
+    """`<prog>: warning: <message>` on stderr (rank 0 only)."""
+    if is_reporting_rank():
+        print(f"{prog}: warning: {message}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- a training run's console
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What the console shows of one finished optimizer step."""
+
+    step: int
+    max_steps: int
+    loss: float
+    lr: float
+    grad_norm: float | None  # None where the engine does not report it
+    tokens_per_s: float
+    mfu: float | None  # fraction of the devices' peak; None on CPU (no known peak)
+    elapsed_s: float  # since this launch's first step began
+    steps_done: int  # steps of this launch, this one included
+
+    @property
+    def eta_s(self) -> float:
+        """The remaining steps at this launch's mean pace so far."""
+        return self.elapsed_s / max(self.steps_done, 1) * (self.max_steps - self.step)
+
+    def fields(self) -> list[str]:
+        """`lr 3.00e-04`, `grad norm 0.91`, ... (the loss is the caller's: train or val)."""
+        out = [f"lr {self.lr:.2e}"]
+        if self.grad_norm is not None:
+            out.append(f"grad norm {self.grad_norm:.3g}")
+        out.append(f"{self.tokens_per_s:,.0f} tok/s")
+        if self.mfu is not None:
+            out.append(f"MFU {100 * self.mfu:.1f}%")
+        out.append(f"elapsed {duration(self.elapsed_s)}")
+        if self.step < self.max_steps:
+            out.append(f"ETA {duration(self.eta_s)}")
+        return out
+
+
+def duration(seconds: float) -> str:
+    """42s, 3m05s, 1h02m."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+class Console:
+    def __init__(
+        self,
+        prog: str,
+        rank: int = 0,
+        progress: bool = True,
+        interval: int = 10,
+        terminal: bool | None = None,  # None: whether stderr is a terminal
+    ) -> None:
+        self.prog = prog
+        self.rank = rank
+        self.interval = interval
+        terminal = sys.stderr.isatty() if terminal is None else terminal
+        self.show_bar = progress and terminal
+        self._bar: tqdm | None = None
+        self._first_step: int | None = None  # of this launch
+        self.last_step: StepReport | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.rank == 0
+
+    def say(self, message: str) -> None:
+        """A line for the user (rank 0)."""
+        if not self.active:
+            return
+        if self._bar is not None:
+            self._bar.write(message, file=sys.stdout)
+        else:
+            print(message, flush=True)
+
+    def note(self, message: str) -> None:
+        """`<prog>: <message>` for the user (rank 0)."""
+        self.say(f"{self.prog}: {message}")
+
+    def warn(self, message: str) -> None:
+        """`<prog>: warning: <message>` on stderr (rank 0)."""
+        if not self.active:
+            return
+        line = f"{self.prog}: warning: {message}"
+        if self._bar is not None:
+            self._bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def status(self, message: str, end: str = "\n") -> None:
+        """A line about the run as a whole (stopping on a signal) on stderr (rank 0), flushed at
+        once; `end=""` leaves it open, for the outcome of what it announces."""
+        if not self.active:
+            return
+        if self._bar is not None:
+            self._bar.write(message, file=sys.stderr, end=end)
+        else:
+            print(message, file=sys.stderr, end=end, flush=True)
+
+    @contextmanager
+    def progress(self, total: int, initial: int) -> Iterator[None]:
+        """A progress bar over optimizer steps while the block runs (rank 0, trainer.progress)."""
+        self._bar = tqdm(
+            total=total,
+            initial=initial,
+            desc=self.prog,
+            unit="step",
+            dynamic_ncols=True,
+            mininterval=1.0,
+            file=sys.stderr,
+            disable=not (self.active and self.show_bar),
+        )
+        try:
+            yield
+        finally:
+            self._bar.close()
+            self._bar = None
+
+    def step_done(self, report: StepReport) -> None:
+        """Advance the bar by one step with the step's fields, or print the plain line when due."""
+        self.last_step = report
+        if self._first_step is None:
+            self._first_step = report.step
+        if self._bar is not None and not self._bar.disable:
+            postfix = {"loss": f"{report.loss:.4f}", "lr": f"{report.lr:.2e}"}
+            if report.grad_norm is not None:
+                postfix["gnorm"] = f"{report.grad_norm:.3g}"
+            postfix["tok_s"] = f"{report.tokens_per_s:,.0f}"
+            self._bar.set_postfix(postfix, refresh=False)
+            self._bar.update(1)
+            return
+        due = (
+            report.step % self.interval == 0
+            or report.step == self._first_step
+            or report.step == report.max_steps
+        )
+        if due:
+            self.say(
+                " | ".join(
+                    [f"{self.prog}: step {report.step}/{report.max_steps}", f"loss {report.loss:.4f}"]
+                    + report.fields()
+                )
+            )
+
+    def eval_done(self, step: int, train_loss: float, val_loss: float, coverage: str) -> None:
+        """The validation line: both losses and the last step's fields."""
+        parts = [
+            f"{self.prog}: step {step}: train loss {train_loss:.4f}",
+            f"val loss {val_loss:.4f} ({coverage})",
+        ]
+        if self.last_step is not None and self.last_step.step == step:
+            parts += self.last_step.fields()
+        self.say(" | ".join(parts))

@@ -1,0 +1,192 @@
+"""Where and how a job runs, resolved once: the device, the numeric precision, the batch plan.
+
+Every command turns its device / dtype / precision setting into torch objects here, and the
+trainer turns `trainer.global_batch_tokens` into its batch arithmetic here, so a setting is read
+in one place and the rest of the code receives resolved values.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lmsys.core.choices import DTYPE_NAMES
+from lmsys.core.config import Config, tokens_per_sample
+from lmsys.core.errors import ConfigError, UsageError
+
+DTYPES: dict[str, torch.dtype] = dict(
+    zip(DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16), strict=True)
+)
+DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+# ----------------------------------------------------------------------------- device and dtype
+
+
+def resolve_device(choice: str | None, local_rank: int = 0, key: str = "device") -> torch.device:
+    """`auto` (CUDA when available, else the CPU), `cpu`, `cuda` (this process's GPU under
+    torchrun: cuda:<local_rank>) or `cuda:N`. `key` names the setting in errors."""
+    choice = choice or "auto"
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"{key}={choice} but no CUDA device is available; use {key}=auto or cpu")
+    if choice == "cuda":
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    try:
+        return torch.device(choice)
+    except RuntimeError:
+        raise ConfigError(f"{key}={choice!r} is not valid; use auto, cpu, cuda or cuda:N") from None
+
+
+def resolve_dtype(name: str | None) -> torch.dtype:
+    """fp32 | bf16 | fp16 (or torch's names float32, bfloat16, float16) as a torch dtype."""
+    key = DTYPE_ALIASES.get(str(name), str(name))
+    if key not in DTYPES:
+        raise UsageError(f"dtype={name!r} is not valid; choose one of: {', '.join(DTYPES)}")
+    return DTYPES[key]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(k for k, v in DTYPES.items() if v == dtype)
+
+
+def resolve_precision(choice: str, device: torch.device) -> str:
+    """deepspeed.precision: auto is bf16 on CUDA and fp32 on the CPU; fp16 needs CUDA."""
+    if choice == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    if choice == "fp16" and device.type != "cuda":
+        raise ConfigError("deepspeed.precision=fp16 needs a CUDA device; use fp32 or bf16 on CPU")
+    return choice
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's and torch's generators (every rank alike: identical initial weights)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------- ranks
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+
+
+def env_dist_info() -> DistInfo:
+    """Rank and world size as torchrun sets them (a plain `python -m lmsys.train` is rank 0 of 1)."""
+    return DistInfo(
+        rank=int(os.environ.get("RANK", "0")),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
+    )
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A training process's resolved runtime: decided once, then handed down."""
+
+    device: torch.device
+    precision: str  # fp32 | bf16 | fp16 (deepspeed.precision resolved for the device)
+    rank: int
+    world_size: int
+    plan: BatchPlan
+
+
+# ----------------------------------------------------------------------------- batch arithmetic
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step's sequences are cut into micro-batches across ranks."""
+
+    seq_len: int  # positions per forward
+    tokens_per_sample: int  # tokens the loader cuts per sequence (seq_len + 1 with the usual shift)
+    micro_batch_size: int  # sequences per rank per forward
+    world_size: int
+    grad_accum: int  # micro-batches per rank per optimizer step
+    global_batch_sequences: int  # = micro_batch_size * world_size * grad_accum
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_sequences * self.seq_len
+
+    def arithmetic(self) -> str:
+        return (
+            f"{self.tokens_per_step:,} tokens per step = micro {self.micro_batch_size} x seq {self.seq_len} "
+            f"x world {self.world_size} x accumulation {self.grad_accum}"
+        )
+
+
+def batch_plan(cfg: Config, world_size: int) -> BatchPlan:
+    """`trainer.global_batch_tokens / data.seq_len` sequences per optimizer step, split into
+    `micro_batch_size` sequences per rank per forward: gradient accumulation is derived, never
+    configured. ConfigError, naming a value that works, when the numbers do not divide."""
+    t, seq = cfg.trainer, cfg.data.seq_len
+    if t.global_batch_tokens % seq:
+        lower, upper = (t.global_batch_tokens // seq) * seq, (t.global_batch_tokens // seq + 1) * seq
+        raise ConfigError(
+            f"trainer.global_batch_tokens={t.global_batch_tokens} is not a multiple of data.seq_len={seq}; "
+            f"use e.g. {lower or upper} or {upper}"
+        )
+    sequences = t.global_batch_tokens // seq
+    per_micro_step = t.micro_batch_size * world_size
+    if sequences % per_micro_step:
+        k = max(1, round(sequences / per_micro_step))
+        raise ConfigError(
+            f"trainer.global_batch_tokens={t.global_batch_tokens} gives {sequences} sequences per step "
+            f"({t.global_batch_tokens} / data.seq_len={seq}), which does not divide by "
+            f"trainer.micro_batch_size={t.micro_batch_size} x world_size={world_size} = {per_micro_step}; "
+            f"use a multiple of {per_micro_step * seq} tokens, "
+            f"e.g. trainer.global_batch_tokens={k * per_micro_step * seq}"
+        )
+    return BatchPlan(
+        seq_len=seq,
+        tokens_per_sample=tokens_per_sample(cfg.model, seq),
+        micro_batch_size=t.micro_batch_size,
+        world_size=world_size,
+        grad_accum=sequences // per_micro_step,
+        global_batch_sequences=sequences,
+    )
+
+
+def _one_of(numbers: list[int]) -> str:
+    words = [str(n) for n in numbers]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def resume_batch_plan(cfg: Config, world_size: int, step: int) -> BatchPlan:
+    """The batch plan of a run resuming the checkpoint of `step` on `world_size` ranks. A resumed
+    run keeps its global batch (the loader's saved position counts its sequences), but may change
+    the world size and the micro-batch size: ConfigError naming those that fit when they do not."""
+    try:
+        return batch_plan(cfg, world_size)
+    except ConfigError:
+        pass
+    t = cfg.trainer
+    sequences, micro = t.global_batch_tokens // cfg.data.seq_len, t.micro_batch_size
+    fits = []
+    if sequences % micro == 0:
+        worlds = _one_of(_divisors(sequences // micro))
+        fits.append(f"keep trainer.micro_batch_size={micro} on {worlds} ranks")
+    if sequences % world_size == 0:
+        micros = _one_of(_divisors(sequences // world_size))
+        fits.append(f"use trainer.micro_batch_size={micros} on {world_size} ranks")
+    raise ConfigError(
+        f"cannot resume step {step} on {world_size} ranks: its global batch of {sequences} sequences "
+        f"(trainer.global_batch_tokens={t.global_batch_tokens} / data.seq_len={cfg.data.seq_len}) "
+        f"does not split into micro-batches of {micro} on {world_size} ranks; "
+        f"{', or '.join(fits) or 'change the world size'} (a resumed run keeps trainer.global_batch_tokens)"
+    )

@@ -1,0 +1,246 @@
+"""The training loader: fixed-length sequences cut from prepared token shards.
+
+Order. A split (the concatenation of its shards, see lmsys.data.shards) of n tokens is cut into
+N = ceil(n / L) samples of L = `tokens_per_sample` tokens: sample i starts at token i*L, except
+that when L does not divide n the last one ends at the split's end (starts at n - L), so its
+first L - (n mod L) tokens repeat the end of the sample before; they carry loss weight 0
+(`Batch.weights`), and every token of the split counts exactly once per epoch. Epoch e visits
+the samples in the order `permutation(N)` drawn from a generator seeded with (seed, e); the
+epochs are laid end to end as one stream, and optimizer step s takes stream positions
+[s*G, (s+1)*G) with G the global batch in sequences. So every sample is seen exactly once in
+every N consecutive positions (full coverage per epoch, an epoch may end mid-step), and the
+global batch of a step does not depend on the number of ranks.
+
+Ranks. Rank r of W takes the contiguous slice [r*G/W, (r+1)*G/W) of each step's global batch
+and cuts it into micro-batches of `micro_batch_size`, in order: no sample is shared between
+ranks, and the concatenation over ranks is the 1-process batch.
+
+Resume. The whole state is the stream position (a step and a micro-batch index) plus the
+settings it is checked against: a restored loader yields exactly the batches an uninterrupted
+one would, for any world size that divides the global batch when restored between steps, and
+for the same world size and micro-batch size when restored in the middle of a step.
+
+Validation. `val_batches(n)` always reads the held-out "val" split (a document goes to one
+split only, see lmsys.prepare), the same sequences at every evaluation; `val_batches(0)` every
+sequence of it once.
+
+Loss weights (SPEC section 8) travel with each batch: ones, except, with
+`mask_doc_boundaries`, a zero for the prediction of the first token of a document from the
+previous document's eos.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from lmsys.core.errors import DataError
+from lmsys.data.shards import PreparedData, SplitTokens, too_short
+
+__all__ = ["Batch", "TokenLoader"]
+
+STATE_VERSION = 2  # 2: the split's tail is a last, partly weighted sample
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # (B, S) int64 token ids
+    weights: torch.Tensor  # (B, S) float32: weights[b, s] weighs the prediction of tokens[b, s]
+
+
+class TokenLoader:
+    """Micro-batches of one rank for training (`next_batch`) and validation (`val_batches`)."""
+
+    def __init__(
+        self,
+        data: PreparedData,
+        split: str,
+        *,
+        tokens_per_sample: int,
+        global_batch_size: int,
+        micro_batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        mask_doc_boundaries: bool = False,
+    ):
+        if global_batch_size % (micro_batch_size * world_size):
+            raise ValueError(
+                f"global batch of {global_batch_size} sequences does not split into micro-batches of "
+                f"{micro_batch_size} on {world_size} ranks"
+            )
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        self.data, self.split_name = data, split
+        self.tokens = data.split(split)
+        self.sample_len = tokens_per_sample
+        self.global_batch, self.micro_batch = global_batch_size, micro_batch_size
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.mask_doc_boundaries = mask_doc_boundaries
+        if len(self.tokens) < tokens_per_sample:
+            raise too_short(data.dir, split, len(self.tokens), tokens_per_sample)
+        # Tokens after the last whole sample; when > 0 they end the last, partly weighted sample.
+        self.tail_tokens = len(self.tokens) % tokens_per_sample
+        self.num_samples = -(-len(self.tokens) // tokens_per_sample)
+        self.micro_batches_per_step = global_batch_size // (micro_batch_size * world_size)
+        self.step = 0  # optimizer steps fully consumed
+        self.micro = 0  # micro-batches of the current step consumed by this rank
+        self._epoch_orders: dict[int, np.ndarray] = {}
+
+    # -- order ------------------------------------------------------------------------------
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._epoch_orders:
+            if len(self._epoch_orders) > 2:  # a step spans at most two epochs unless G > N
+                self._epoch_orders.clear()
+            rng = np.random.default_rng([self.seed, epoch])
+            self._epoch_orders[epoch] = rng.permutation(self.num_samples)
+        return self._epoch_orders[epoch]
+
+    def sample_indices(self, step: int, micro: int) -> np.ndarray:
+        """Sample indices of this rank's micro-batch `micro` of optimizer step `step`."""
+        first = (
+            step * self.global_batch
+            + self.rank * (self.global_batch // self.world_size)
+            + micro * self.micro_batch
+        )
+        positions = np.arange(first, first + self.micro_batch)  # (micro_batch,)
+        return np.array(
+            [self._order(int(p) // self.num_samples)[int(p) % self.num_samples] for p in positions]
+        )
+
+    def sample_start(self, index: int) -> int:
+        """First token of sample `index` in the split (the last one ends at the split's end)."""
+        return min(index * self.sample_len, len(self.tokens) - self.sample_len)
+
+    def repeated_tokens(self, index: int) -> int:
+        """How many leading tokens of sample `index` repeat the previous sample (weight 0)."""
+        last = index == self.num_samples - 1 and self.tail_tokens > 0
+        return self.sample_len - self.tail_tokens if last else 0
+
+    def step_has_repeats(self, step: int) -> bool:
+        """Whether the global batch of optimizer step `step` (0-based) holds the partly weighted
+        last sample, i.e. whether its loss weights are not all 1 before document masking."""
+        if self.tail_tokens == 0:
+            return False
+        positions = np.arange(step * self.global_batch, (step + 1) * self.global_batch)  # (G,)
+        epochs, offsets = positions // self.num_samples, positions % self.num_samples
+        return any(self._order(int(e))[int(o)] == self.num_samples - 1 for e, o in zip(epochs, offsets))
+
+    @property
+    def epoch(self) -> float:
+        """Epochs completed, fractional, at the current position."""
+        return self.step * self.global_batch / self.num_samples
+
+    # -- batches ----------------------------------------------------------------------------
+
+    def _batch(self, indices: np.ndarray, tokens: SplitTokens | None = None) -> Batch:
+        """Samples `indices` of this loader's split, or whole samples `indices` of `tokens`, as
+        one micro-batch."""
+        if tokens is None:
+            source = self.tokens
+            starts = [self.sample_start(int(i)) for i in indices]
+            repeats = [self.repeated_tokens(int(i)) for i in indices]
+        else:
+            source = tokens
+            starts, repeats = [int(i) * self.sample_len for i in indices], [0] * len(indices)
+        rows = [source.read(start, self.sample_len) for start in starts]
+        tokens = torch.from_numpy(np.stack(rows).astype(np.int64))  # (B, S)
+        weights = torch.ones(tokens.shape, dtype=torch.float32)  # (B, S)
+        for row, repeated in enumerate(repeats):
+            weights[row, :repeated] = 0.0  # counted in the sample before
+        if self.mask_doc_boundaries:
+            weights[:, 1:][tokens[:, :-1] == self.data.eos_id] = 0.0
+        return Batch(tokens, weights)
+
+    def next_batch(self) -> Batch:
+        batch = self._batch(self.sample_indices(self.step, self.micro))
+        self.micro += 1
+        if self.micro == self.micro_batches_per_step:
+            self.step, self.micro = self.step + 1, 0
+        return batch
+
+    def val_batches(self, count: int) -> list[Batch]:
+        """`count` micro-batches of this rank from the held-out "val" split (whatever split this
+        loader trains on), from its start, in order: the same held-out sequences at every
+        evaluation, rank r taking every W-th micro-batch (cycling when the split is short).
+        count=0: the whole split once, every sequence exactly once; the last round's rows past the
+        split's end repeat its first sequences with loss weight 0 (every rank runs the same number
+        of forwards, which ZeRO-3's collectives need)."""
+        tokens = self._val_tokens()
+        num = len(tokens) // self.sample_len
+        per_round = self.micro_batch * self.world_size
+        whole = count == 0
+        rounds = -(-num // per_round) if whole else count
+        out = []
+        for b in range(rounds):
+            first = b * per_round + self.rank * self.micro_batch
+            indices = np.arange(first, first + self.micro_batch)
+            batch = self._batch(indices % num, tokens)
+            if whole:
+                batch.weights[indices >= num] = 0.0
+            out.append(batch)
+        return out
+
+    def val_coverage(self, count: int) -> tuple[int, int]:
+        """(distinct validation sequences that `val_batches(count)` scores on all ranks together,
+        sequences in the split)."""
+        num = len(self._val_tokens()) // self.sample_len
+        if count == 0:
+            return num, num
+        return min(num, count * self.micro_batch * self.world_size), num
+
+    def _val_tokens(self) -> SplitTokens:
+        tokens = self.tokens if self.split_name == "val" else self.data.split("val")
+        if len(tokens) < self.sample_len:
+            raise too_short(self.data.dir, "val", len(tokens), self.sample_len)
+        return tokens
+
+    # -- resume -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "split": self.split_name,
+            "step": self.step,
+            "micro": self.micro,
+            "seed": self.seed,
+            "num_samples": self.num_samples,
+            "tokens_per_sample": self.sample_len,
+            "global_batch_size": self.global_batch,
+            "tokenizer_sha256": self.data.tokenizer_sha256,
+            # Only needed to resume in the middle of a step (any world size resumes between steps).
+            "micro_batch_size": self.micro_batch,
+            "world_size": self.world_size,
+            "rank": self.rank,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = self.state_dict()
+        for key in (
+            "version",
+            "split",
+            "seed",
+            "num_samples",
+            "tokens_per_sample",
+            "global_batch_size",
+            "tokenizer_sha256",
+        ):
+            if state.get(key) != mine[key]:
+                raise DataError(
+                    f"cannot resume the loader: its saved {key} is {state.get(key)!r}, "
+                    f"this run has {mine[key]!r}"
+                )
+        micro = int(state.get("micro", 0))
+        if micro:  # mid-step: only this rank's own cut of the step continues where it stopped
+            for key in ("micro_batch_size", "world_size", "rank"):
+                if state.get(key) != mine[key]:
+                    raise DataError(
+                        f"cannot resume the loader in the middle of step {state['step']} with another "
+                        f"{key} (saved {state.get(key)!r}, this run has {mine[key]!r}); resume from a "
+                        "checkpoint taken between steps"
+                    )
+        self.step, self.micro = int(state["step"]), micro

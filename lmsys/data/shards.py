@@ -1,0 +1,306 @@
+"""The prepared-data format: token shards, their manifest, and the reader the loader builds on.
+
+A prepared directory (`data.dir`, written by lmsys-prepare) holds, in FORMAT_VERSION 1:
+- the tokenizer the shards were encoded with (lmsys.data.tokenizer): `tokenizer.model`, or a Hugging
+  Face `tokenizer.json` with the `tokenizer_config.json` naming its special tokens;
+- `train_0000.bin`, `train_0001.bin`, ..., `val_0000.bin`, ...: raw little-endian token ids,
+  uint16 for vocabularies up to 65,536 pieces and uint32 above (`token_dtype`), no header,
+  memmap-able; a split is the concatenation of its shards in order, every document ends with
+  eos, and a document may continue into the next shard;
+- `manifest.json`: the format and version, the tokenizer (kind, file, sha256, vocab_size,
+  special ids; kind "sentencepiece" when absent), the dtype, every shard (file, split, tokens)
+  and the totals per split, plus whatever provenance the writer adds (lmsys-prepare: sources,
+  config, fingerprint, timings).
+
+`read_manifest` checks a directory against its manifest (every shard present with exactly its
+recorded size, the totals adding up, the tokenizer file's sha256) before anything reads it;
+`PreparedData` opens a checked directory and serves each split as one memory-mapped array.
+Writing goes through `ShardWriter` (one split, appending) and `write_manifest`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from lmsys.core.errors import DataError
+from lmsys.core.files import sha256_file
+
+if TYPE_CHECKING:
+    from lmsys.core.config import ModelConfig
+
+FORMAT = "lmsys-token-shards"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SPLITS = ("train", "val")
+
+
+class TokenizerMismatch(DataError):
+    """The shards of a prepared directory were made by another tokenizer than the one beside them."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned dtype holding ids `0..vocab_size-1` (uint16 up to 65536 pieces)."""
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+# ----------------------------------------------------------------------------- the manifest
+
+
+def read_manifest(directory: str | Path, prog: str = "lmsys-prepare") -> dict[str, Any]:
+    """Load `directory/manifest.json` and check it against the files: every shard exists with
+    exactly `tokens * itemsize` bytes, per-split totals add up, and the tokenizer file has the
+    recorded sha256. Raises DataError naming the problem (and the `prog` command that fixes it)."""
+    d = Path(directory)
+    hint = f"run `{prog} data.dir={directory}`"
+    redo = f"run `{prog} data.dir={directory} data.overwrite=true`"
+    if not d.is_dir():
+        raise DataError(f"prepared data directory {directory} does not exist; {hint} first")
+    path = d / MANIFEST
+    if not path.is_file():
+        raise DataError(
+            f"{directory} has no {MANIFEST} (not prepared, or preparation did not finish); {hint}"
+        )
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        ok = manifest.get("format") == FORMAT
+    except (ValueError, AttributeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path} is not a valid manifest ({e}); {redo}") from e
+    if not ok:
+        raise DataError(f"{path} is not an {FORMAT} manifest; {redo}")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise DataError(
+            f"{path} has format version {manifest.get('version')}, this lmsys reads {FORMAT_VERSION}; {redo}"
+        )
+    try:
+        _check_shards(d, manifest, redo)
+        tok = manifest["tokenizer"]
+        tok_path = d / tok["file"]
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, DataError):
+            raise
+        raise DataError(f"{path} is incomplete or malformed ({type(e).__name__}: {e}); {redo}") from e
+    if not tok_path.is_file():
+        raise DataError(f"{tok_path} is missing; {redo}")
+    sha = sha256_file(tok_path)
+    if sha != tok["sha256"]:
+        raise TokenizerMismatch(
+            f"the shards in {directory} were made by another tokenizer: {MANIFEST} says sha256 "
+            f"{str(tok['sha256'])[:12]}, {tok_path.name} is {sha[:12]}; restore it or {redo}"
+        )
+    return manifest
+
+
+def _check_shards(d: Path, manifest: dict[str, Any], redo: str) -> None:
+    itemsize = np.dtype(manifest["dtype"]).itemsize
+    totals = {split: 0 for split in SPLITS}
+    for shard in manifest["shards"]:
+        file = d / shard["file"]
+        if not file.is_file():
+            raise DataError(f"shard {file} listed in {MANIFEST} is missing; {redo}")
+        size, expected = file.stat().st_size, int(shard["tokens"]) * itemsize
+        if size != expected:
+            raise DataError(
+                f"corrupt shard {file}: {size} bytes, but {MANIFEST} says {shard['tokens']} tokens "
+                f"({expected} bytes); {redo}"
+            )
+        totals[shard["split"]] += int(shard["tokens"])
+    for split in SPLITS:
+        if totals[split] != int(manifest["splits"][split]["tokens"]):
+            raise DataError(
+                f"{d / MANIFEST}: {split} shards hold {totals[split]} tokens but the total says "
+                f"{manifest['splits'][split]['tokens']}; {redo}"
+            )
+
+
+def write_manifest(
+    directory: Path,
+    writers: dict[str, ShardWriter],
+    tokenizer: dict[str, Any],
+    provenance: dict[str, Any],
+) -> dict[str, Any]:
+    """Close the split writers and write manifest.json: the format's own fields from the shards
+    written and the tokenizer section (`kind`, `file`, `sha256`, `vocab_size`, special ids, origin),
+    then the writer's `provenance` fields. Returns the manifest."""
+    dtype = next(iter(writers.values())).dtype
+    shards = [s for split in SPLITS for s in writers[split].close()]
+    manifest = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "tokenizer": tokenizer,
+        "dtype": dtype.name,
+        "byteorder": "little",
+        "eos_after_every_document": True,
+        "shards": shards,
+        "splits": {
+            s: {
+                "tokens": writers[s].tokens,
+                "documents": writers[s].documents,
+                "shards": len(writers[s].shards),
+            }
+            for s in SPLITS
+        },
+        **provenance,
+    }
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    return manifest
+
+
+# ----------------------------------------------------------------------------- writing shards
+
+
+class ShardWriter:
+    """Appends one split's tokens to `<split>_NNNN.bin` files of at most `shard_tokens` each."""
+
+    def __init__(self, directory: Path, split: str, dtype: np.dtype, shard_tokens: int):
+        self.directory, self.split, self.dtype, self.shard_tokens = directory, split, dtype, shard_tokens
+        self.shards: list[list[Any]] = []  # [file name, tokens]
+        self.documents = 0  # complete documents written
+        self.last_doc_tokens = 0  # tokens of the last complete document (for the split fix-up)
+        self._doc_tokens = 0  # tokens of the document being written so far
+        self._fh = None
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for _, n in self.shards)
+
+    def _open_next(self) -> None:
+        self._close_file()
+        name = f"{self.split}_{len(self.shards):04d}.bin"
+        self._fh = open(self.directory / name, "wb")
+        self.shards.append([name, 0])
+
+    def _close_file(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def write(self, tokens: np.ndarray) -> None:
+        tokens = np.ascontiguousarray(tokens, dtype=self.dtype.newbyteorder("<"))
+        pos = 0
+        while pos < len(tokens):
+            if self._fh is None or self.shards[-1][1] >= self.shard_tokens:
+                self._open_next()
+            take = min(len(tokens) - pos, self.shard_tokens - self.shards[-1][1])
+            assert self._fh is not None
+            self._fh.write(tokens[pos : pos + take].tobytes())
+            self.shards[-1][1] += take
+            pos += take
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, ends: np.ndarray) -> None:
+        """Write pieces of documents: `tokens` is their concatenation, `lengths[i]` and `ends[i]`
+        the token count of piece i and whether it ends its document (then its last token is eos)."""
+        self.write(tokens)
+        for n, end in zip(lengths.tolist(), ends.tolist()):
+            self._doc_tokens += n
+            if end:
+                self.documents += 1
+                self.last_doc_tokens, self._doc_tokens = self._doc_tokens, 0
+
+    def pop_tail(self, count: int) -> np.ndarray:
+        """Remove and return the last `count` tokens written (files are truncated, emptied
+        ones deleted); used to move one document to the other split."""
+        self._close_file()
+        parts: list[np.ndarray] = []
+        while count > 0:
+            name, n = self.shards[-1]
+            take = min(n, count)
+            path = self.directory / name
+            parts.append(
+                np.fromfile(path, dtype=self.dtype.newbyteorder("<"), offset=(n - take) * self.dtype.itemsize)
+            )
+            if take == n:
+                path.unlink()
+                self.shards.pop()
+            else:
+                os.truncate(path, (n - take) * self.dtype.itemsize)
+                self.shards[-1][1] = n - take
+            count -= take
+        return np.concatenate(parts[::-1]) if parts else np.empty(0, self.dtype)
+
+    def close(self) -> list[dict[str, Any]]:
+        self._close_file()
+        return [{"file": name, "split": self.split, "tokens": n} for name, n in self.shards]
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+class SplitTokens:
+    """One split's shards as a single read-only token array (memory-mapped, never loaded)."""
+
+    def __init__(self, directory: Path, shards: list[dict[str, Any]], dtype: np.dtype):
+        self.shards = [
+            np.memmap(directory / s["file"], dtype=dtype, mode="r", shape=(int(s["tokens"]),))
+            for s in shards
+            if int(s["tokens"]) > 0
+        ]
+        self.starts = np.cumsum([0] + [len(s) for s in self.shards])  # (n_shards + 1,)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start + length), across shard boundaries when needed."""
+        parts = []
+        end = start + length
+        i = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while start < end:
+            shard = self.shards[i]
+            lo = start - int(self.starts[i])
+            take = min(end - start, len(shard) - lo)
+            parts.append(shard[lo : lo + take])
+            start += take
+            i += 1
+        return np.concatenate(parts) if len(parts) > 1 else np.asarray(parts[0])
+
+
+class PreparedData:
+    """A prepared directory, checked against its manifest on opening."""
+
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory)
+        self.manifest = read_manifest(self.dir)
+        tok = self.manifest["tokenizer"]
+        self.vocab_size = int(tok["vocab_size"])
+        self.eos_id = int(tok["eos_id"])
+        self.tokenizer_path = self.dir / tok["file"]
+        self.tokenizer_sha256 = str(tok["sha256"])
+        self.dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
+        self._splits: dict[str, SplitTokens] = {}
+
+    def split(self, name: str) -> SplitTokens:
+        if name not in self.manifest["splits"]:
+            raise DataError(f"{self.dir} has no split {name!r} (it has {sorted(self.manifest['splits'])})")
+        if name not in self._splits:
+            shards = [s for s in self.manifest["shards"] if s["split"] == name]
+            self._splits[name] = SplitTokens(self.dir, shards, self.dtype)
+        return self._splits[name]
+
+    def check_sequences(self, tokens_per_sample: int) -> None:
+        """Refuse data whose train or val split cannot fill one sequence (before a run starts)."""
+        for split in SPLITS:
+            n_tokens = len(self.split(split))
+            if n_tokens < tokens_per_sample:
+                raise too_short(self.dir, split, n_tokens, tokens_per_sample)
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Refuse a model whose vocabulary differs from the tokenizer the shards were made with."""
+        if model.vocab_size != self.vocab_size:
+            raise DataError(
+                f"model.vocab_size={model.vocab_size} but {self.dir} was tokenized with a "
+                f"{self.vocab_size}-piece tokenizer; set model.vocab_size={self.vocab_size} or "
+                f"re-run lmsys-prepare data.dir={self.dir} model.vocab_size={model.vocab_size}"
+            )
+
+
+def too_short(data_dir: Path, split: str, n_tokens: int, tokens_per_sample: int) -> DataError:
+    return DataError(
+        f"the {split} split of {data_dir} holds {n_tokens} tokens, fewer than one sequence of "
+        f"{tokens_per_sample}; use more text (or raise data.val_fraction) and prepare again, "
+        "or shorten data.seq_len"
+    )

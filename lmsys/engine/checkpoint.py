@@ -1,0 +1,560 @@
+"""The checkpoint format: atomic, verified DeepSpeed checkpoints with a typed train state, and the
+one rule that picks the checkpoint for resume, export, evaluation and generation alike.
+
+Layout inside a run directory:
+
+    checkpoints/
+      step_0000100/                    one DeepSpeed tag: model, ZeRO optimizer partitions, ...
+        mp_rank_00_model_states.pt     (DeepSpeed's files)
+        zero_pp_rank_0_..._optim_states.pt
+        rank_00000.json                each rank's loader position and RNG states
+        lmsys_checkpoint.json          the completion marker, written last (see below)
+      latest                           the newest saved tag, for DeepSpeed's own tools
+
+The marker holds the format and its version, the tag, the save time, the `TrainState` (step,
+tokens, losses, world size, ZeRO stage, precision, tokenizer sha256, W&B id, the resolved
+config) and the size and sha256 of every other file of the tag.
+
+How a checkpoint becomes visible, so that a kill -9 at any moment never leaves one that would
+be picked up half-written:
+
+1. every rank writes into `checkpoints/.tmp-step_0000100/` (DeepSpeed's save_checkpoint, then
+   its own rank_*.json), and all ranks meet at a barrier;
+2. rank 0 writes `lmsys_checkpoint.json` into it, fsyncs, and renames the directory to
+   `step_0000100`;
+3. `latest` is replaced atomically last; then `prune`: the newest trainer.keep_last complete,
+   intact tags stay (and the one just written), older ones are deleted, and a damaged one (no
+   marker, a missing or truncated file) is moved into `checkpoints/damaged/`, never counted.
+
+Which checkpoint (`resolve`, `find_latest`): a checkpoint directory names itself, and must be
+complete and intact; a run directory or its checkpoints/ directory means its newest complete,
+intact `step_*`, every newer one that is not (no marker, a missing, truncated or altered file)
+reported and skipped. `latest` is not consulted: after a fall-back it may name a damaged tag.
+
+Resume (`load`) may change the world size, ZeRO stage and precision (lmsys.engine.reshard), not the
+model or the tokenizer (`check_compatible`).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from lmsys.core.config import ModelConfig, flatten_dict, model_config_from_dict
+from lmsys.core.errors import CheckpointError, ConfigError
+from lmsys.core.files import TMP_PREFIX, atomic_write_text, install_dir, sha256_file
+from lmsys.data.tokenizer import TOKENIZER_FILES
+from lmsys.engine.reshard import load_resharded
+from lmsys.engine.rundir import CHECKPOINTS, read_metrics, run_dir_of
+from lmsys.engine.zero import consolidated_state_dict, safe_torch_load
+from lmsys.model.weights import model_state_dict
+
+MARKER = "lmsys_checkpoint.json"
+LATEST = "latest"
+DAMAGED = "damaged"  # where pruning and resume move damaged checkpoints
+FORMAT = "lmsys-checkpoint"
+FORMAT_VERSION = 1
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def step_of(tag: str) -> int | None:
+    if not tag.startswith("step_"):
+        return None
+    try:
+        return int(tag[len("step_") :])
+    except ValueError:
+        return None
+
+
+# ----------------------------------------------------------------------------- the train state
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint records beside DeepSpeed's tensors: the same on every rank."""
+
+    step: int  # optimizer steps completed
+    tokens_seen: int
+    nan_skips: int  # steps skipped for a non-finite loss so far
+    last_loss: float | None  # training loss of the last applied step
+    world_size: int  # ranks that saved it
+    zero_stage: int  # the ZeRO stage of its optimizer partitions
+    precision: str  # fp32 | bf16 | fp16
+    tokenizer_sha256: str  # of the tokenizer the training data was encoded with
+    wandb_id: str | None  # the W&B run a resumed run continues
+    config: dict[str, Any] = field(default_factory=dict)  # the resolved config (config_to_dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, where: Path) -> TrainState:
+        """The state of a marker; CheckpointError naming the first missing field."""
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{where}: {MARKER} carries no train state")
+        missing = [f.name for f in fields(cls) if f.name not in data]
+        if missing:
+            raise CheckpointError(f"{where}: {MARKER} has no {missing[0]!r} in its train state")
+        if not isinstance(data["config"], dict) or not isinstance(data["config"].get("model"), dict):
+            raise CheckpointError(f"{where}: {MARKER} carries no training config")
+        return cls(**{f.name: data[f.name] for f in fields(cls)})
+
+    def model_config(self, where: Path) -> ModelConfig:
+        try:
+            return model_config_from_dict(self.config["model"])
+        except ConfigError as exc:
+            raise CheckpointError(f"checkpoint {where}: its model config is invalid: {exc}") from exc
+
+
+# ----------------------------------------------------------------------------- RNG states
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG this process uses, JSON-able."""
+    py = random.getstate()
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii"),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [
+            base64.b64encode(s.numpy().tobytes()).decode("ascii") for s in torch.cuda.get_rng_state_all()
+        ]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = [torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8) for s in state["cuda"]]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save(
+    engine: Any,
+    run_dir: Path,
+    state: TrainState,
+    rank_state: dict[str, Any],
+    rank: int,
+    keep_last: int,
+    warn: Callable[[str], None] | None = None,
+    pause_s: float = 0.0,
+) -> Path:
+    """Save the checkpoint of `state.step` atomically (see the module docstring). Every rank calls
+    this. rank_state: JSON-able, this rank's own (loader position, RNG states). warn: reports
+    damaged checkpoints that pruning moves aside. pause_s: fault injection, a sleep while the
+    files are written but not committed (trainer.debug_save_delay_s). Returns the final
+    checkpoint directory."""
+    root = run_dir / CHECKPOINTS
+    tag = tag_for(state.step)
+    tmp_tag = f"{TMP_PREFIX}{tag}"
+    tmp_dir, final_dir = root / tmp_tag, root / tag
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp_dir.exists():  # a leftover of a killed save of this same step
+            shutil.rmtree(tmp_dir)
+    _barrier()
+    engine.save_checkpoint(str(root), tag=tmp_tag, client_state={}, save_latest=False)
+    atomic_write_text(tmp_dir / f"rank_{rank:05d}.json", json.dumps(rank_state))
+    if pause_s > 0:
+        time.sleep(pause_s)
+    _barrier()
+    if rank == 0:
+        commit(root, state.step, state, keep_last, warn)
+    _barrier()
+    return final_dir
+
+
+def commit(
+    root: Path, step: int, state: TrainState, keep_last: int, warn: Callable[[str], None] | None = None
+) -> Path:
+    """Rank 0, once every rank has written into `.tmp-<tag>`: write the marker (sizes and sha256
+    of every file), rename the directory into place, move `latest`, prune old checkpoints."""
+    tag = tag_for(step)
+    tmp_dir, final_dir = root / f"{TMP_PREFIX}{tag}", root / tag
+    files = {}
+    for path in sorted(p for p in tmp_dir.rglob("*") if p.is_file()):
+        rel = path.relative_to(tmp_dir).as_posix()
+        if rel != MARKER:
+            files[rel] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    marker = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "tag": tag,
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "state": state.to_dict(),
+        "files": files,
+    }
+    atomic_write_text(tmp_dir / MARKER, json.dumps(marker, indent=1))
+    install_dir(tmp_dir, final_dir)  # replaces a damaged checkpoint of this step after a fall-back
+    atomic_write_text(root / LATEST, tag)
+    prune(root, keep_last, keep=(final_dir,), warn=warn)
+    return final_dir
+
+
+def prune(
+    root: Path, keep_last: int, keep: tuple[Path, ...] = (), warn: Callable[[str], None] | None = None
+) -> None:
+    """Keep the newest `keep_last` complete, intact checkpoints, and those in `keep` (the one just
+    committed); delete the older ones. A damaged one (no marker, a missing or truncated file)
+    counts for nothing and is moved aside into `damaged/`, reported through `warn`, never deleted.
+    Stale temporaries are dropped.
+
+    Pruning runs only after a newer checkpoint was committed, so the one a run resumed from stays
+    until a newer one is complete. It checks markers and sizes, not hashes: every file's sha256
+    was checked when it was written, and again by `find_latest` when a run resumes from it."""
+    kept = 0
+    for _, path in list_checkpoints(root):
+        try:
+            verify(path, check_hashes=False)
+        except CheckpointError as exc:
+            moved = move_aside(path)
+            if warn is not None:
+                warn(
+                    f"checkpoint {path.name} is damaged ({exc}); "
+                    f"moved it to {moved}, not counted in keep_last"
+                )
+            continue
+        if path in keep or kept < keep_last:
+            kept += 1
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+    for path in root.glob(f"{TMP_PREFIX}*"):  # what a killed writer left: a tag or `latest` half-written
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def move_aside(path: Path) -> Path:
+    """Move a damaged checkpoint tag into `damaged/` next to it (a free name), out of every
+    listing; returns where it went. For the user to inspect and delete."""
+    damaged = path.parent / DAMAGED
+    damaged.mkdir(exist_ok=True)
+    dest = damaged / path.name
+    n = 1
+    while dest.exists():
+        dest, n = damaged / f"{path.name}.{n}", n + 1
+    path.rename(dest)
+    return dest
+
+
+# ----------------------------------------------------------------------------- which checkpoint
+
+
+@dataclass
+class Checkpoint:
+    """One complete, verified checkpoint tag."""
+
+    tag_dir: Path
+    state: TrainState
+    run_dir: Path | None  # the run it belongs to (None for a tag copied elsewhere)
+
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, dir) of every `step_*` directory, newest first (complete or not)."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        step = step_of(path.name)
+        if step is not None and path.is_dir():
+            found.append((step, path))
+    return sorted(found, reverse=True)
+
+
+def verify(path: Path, check_hashes: bool = True) -> dict[str, Any]:
+    """Return the checkpoint's marker if every file it lists is present and intact; else raise
+    CheckpointError saying what is wrong."""
+    marker_path = path / MARKER
+    if not marker_path.is_file():
+        raise CheckpointError(f"{path} has no {MARKER} (the save did not finish)")
+    try:
+        marker = json.loads(marker_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{marker_path} is unreadable: {exc}") from exc
+    if marker.get("format") != FORMAT or not isinstance(marker.get("files"), dict):
+        raise CheckpointError(f"{marker_path} is not an lmsys checkpoint marker")
+    if int(marker.get("format_version", 0)) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{marker_path} has format version {marker['format_version']}, newer than this lmsys reads "
+            f"({FORMAT_VERSION}); update lmsys"
+        )
+    for rel, meta in marker["files"].items():
+        file = path / rel
+        if not file.is_file():
+            raise CheckpointError(f"{path}: {rel} is missing")
+        size = file.stat().st_size
+        if size != meta["bytes"]:
+            raise CheckpointError(f"{path}: {rel} has {size} bytes, expected {meta['bytes']} (truncated?)")
+        if check_hashes and sha256_file(file) != meta["sha256"]:
+            raise CheckpointError(f"{path}: {rel} does not match its sha256 (corrupted)")
+    return marker
+
+
+def _is_tag_dir(path: Path) -> bool:
+    return (path / MARKER).is_file() or any(path.glob("*model_states.pt"))
+
+
+def _open(tag_dir: Path, check_hashes: bool) -> Checkpoint:
+    marker = verify(tag_dir, check_hashes=check_hashes)
+    return Checkpoint(tag_dir, TrainState.from_dict(marker.get("state"), tag_dir), run_dir_of(tag_dir))
+
+
+def _newest_intact(run: Path, check_hashes: bool) -> tuple[Checkpoint | None, list[tuple[Path, str]]]:
+    """The newest complete, intact checkpoint under a run (or its checkpoints/ directory), and
+    each newer one that was passed over, with why."""
+    root = run / CHECKPOINTS if (run / CHECKPOINTS).is_dir() else run
+    passed_over: list[tuple[Path, str]] = []
+    for _, path in list_checkpoints(root):
+        try:
+            return _open(path, check_hashes), passed_over
+        except CheckpointError as exc:
+            passed_over.append((path, f"checkpoint {path.name}: {exc}"))
+    return None, passed_over
+
+
+def find_latest(
+    run: Path, warn: Callable[[str], None], check_hashes: bool = True, damaged: list[Path] | None = None
+) -> Checkpoint | None:
+    """The newest complete, intact checkpoint of a run directory (or of its checkpoints/
+    directory), or None when it has none. Every newer checkpoint that is partial or damaged is
+    reported through `warn`, skipped, and appended to `damaged` (for `move_aside`)."""
+    found, passed_over = _newest_intact(run, check_hashes)
+    for path, reason in passed_over:
+        warn(f"skipping {reason}; falling back to the previous one")
+        if damaged is not None:
+            damaged.append(path)
+    return found
+
+
+def resolve(
+    path: str | Path, warn: Callable[[str], None] | None = None, check_hashes: bool = True
+) -> Checkpoint:
+    """The checkpoint `path` names (see the module docstring); CheckpointError when there is
+    none, saying why. Damaged checkpoints newer than the one chosen are reported through `warn`."""
+    p = Path(path)
+    if not p.is_dir():
+        raise CheckpointError(f"checkpoint {p} {'is not a directory' if p.exists() else 'does not exist'}")
+    if _is_tag_dir(p):
+        return _open(p, check_hashes)
+    found, passed_over = _newest_intact(p, check_hashes)
+    if found is None and passed_over:
+        raise CheckpointError(f"{p} holds no usable checkpoint: {passed_over[0][1]}")
+    if found is None:
+        raise CheckpointError(
+            f"{p} is not a checkpoint: expected a run directory, its {CHECKPOINTS}/ directory, or a "
+            f"checkpoint directory holding {MARKER}"
+        )
+    for _, reason in passed_over:
+        if warn is not None:
+            warn(f"skipping {reason}; using {found.tag_dir.name}")
+    return found
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+# Model keys that choose an implementation, or the weights a run started from, not the
+# function: changing them on resume is fine.
+_RUNTIME_MODEL_KEYS = frozenset({"model.kernels", "model.loss_impl", "model.init_from"})
+
+
+def model_differences(
+    saved: dict[str, Any] | None, now: dict[str, Any], label: str, ignore: frozenset[str] = frozenset()
+) -> str | None:
+    """How two model config dicts differ in function (beyond _RUNTIME_MODEL_KEYS and `ignore`),
+    as `model.key=now (label: saved)`, at most four and a count; None when they do not."""
+    skip = _RUNTIME_MODEL_KEYS | ignore
+    saved_flat = {k: v for k, v in flatten_dict({"model": saved}).items() if k not in skip}
+    now_flat = {k: v for k, v in flatten_dict({"model": now}).items() if k not in skip}
+    diffs = [
+        f"{k}={now_flat.get(k)!r} ({label}: {saved_flat.get(k)!r})"
+        for k in sorted(set(saved_flat) | set(now_flat))
+        if saved_flat.get(k) != now_flat.get(k)
+    ]
+    if not diffs:
+        return None
+    return ", ".join(diffs[:4]) + (f" and {len(diffs) - 4} more" if len(diffs) > 4 else "")
+
+
+def check_compatible(state: TrainState, model_dict: dict[str, Any], tokenizer_sha256: str) -> None:
+    """Refuse (CheckpointError) a resume whose model function or tokenizer differs. The world size,
+    ZeRO stage, precision and micro-batch size may change (`load` reshards); the global batch may
+    not (the batch plan and the loader refuse it)."""
+    shown = model_differences(state.config.get("model"), model_dict, "checkpoint")
+    if shown:
+        raise CheckpointError(f"cannot resume: the model differs from the checkpoint's: {shown}")
+    if state.tokenizer_sha256 != tokenizer_sha256:
+        raise CheckpointError(
+            f"cannot resume: the data's tokenizer (sha256 {tokenizer_sha256[:12]}) differs from the "
+            f"checkpoint's ({state.tokenizer_sha256[:12]}); use the data.dir it was trained on"
+        )
+
+
+def same_layout(state: TrainState, world_size: int, stage: int, precision: str) -> bool:
+    """Whether this run's engine partitions the state exactly as the checkpoint's did."""
+    return (state.zero_stage, state.world_size, state.precision) == (stage, world_size, precision)
+
+
+def load(engine: Any, found: Checkpoint, world_size: int, stage: int, precision: str) -> None:
+    """Load module and optimizer state of a verified checkpoint into the engine (every rank).
+
+    The same ZeRO stage, world size and precision: DeepSpeed's own loader, each rank reading its
+    partition. Anything else: lmsys.engine.reshard assembles each parameter's fp32 master weights and
+    Adam state from the saved partitions and copies this rank's slice into the engine. Both read
+    weights-only: a checkpoint never runs code."""
+    saved = found.state
+    if not same_layout(saved, world_size, stage, precision):
+        load_resharded(engine, found.tag_dir, saved.zero_stage, saved.world_size)
+        return
+    checkpoint_engine = engine.checkpoint_engine
+    checkpoint_engine.load = lambda path, map_location=None: safe_torch_load(path, map_location=map_location)
+    try:
+        load_path, _ = engine.load_checkpoint(
+            str(found.tag_dir.parent),
+            tag=found.tag_dir.name,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+        )
+    finally:
+        del checkpoint_engine.load  # the instance attribute shadowed DeepSpeed's unpickling loader
+    if load_path is None:
+        raise CheckpointError(f"DeepSpeed could not load checkpoint {found.tag_dir}")
+
+
+def read_rank_state(found: Checkpoint, rank: int, world_size: int) -> dict[str, Any]:
+    """The loader position and RNG states rank `rank` of `world_size` continues from: its own on
+    the same world size; rank 0's on another (checkpoints are taken between optimizer steps, where
+    every rank's loader holds the same stream position; the ranks' RNGs are seeded alike)."""
+    source = rank if world_size == found.state.world_size else 0
+    return json.loads((found.tag_dir / f"rank_{source:05d}.json").read_text(encoding="utf-8"))
+
+
+# ----------------------------------------------------------------------------- reading one back
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What the tools need of a checkpoint: its model, weights, tokenizer and provenance."""
+
+    cfg: ModelConfig
+    state: dict[str, torch.Tensor]  # Transformer keys, tied embedding once, fp32
+    tokenizer_path: Path
+    info: dict[str, Any] = field(default_factory=dict)  # provenance, for a model card
+    train_config: dict[str, Any] = field(default_factory=dict)  # the run's resolved config
+
+
+def read_checkpoint(path: str | Path | Checkpoint, tokenizer: str | Path | None = None) -> LoadedCheckpoint:
+    """A checkpoint's model config, consolidated weights (any ZeRO stage and world size),
+    tokenizer and provenance; nothing is written."""
+    ckpt = path if isinstance(path, Checkpoint) else resolve(path)
+    cfg = ckpt.state.model_config(ckpt.tag_dir)
+    tokenizer_path = find_tokenizer(ckpt, tokenizer)
+    weights = model_state_dict(consolidated_state_dict(ckpt.tag_dir, ckpt.state.zero_stage), cfg)
+    return LoadedCheckpoint(cfg, weights, tokenizer_path, provenance(ckpt), ckpt.state.config)
+
+
+def find_tokenizer(ckpt: Checkpoint, explicit: str | Path | None = None) -> Path:
+    """The tokenizer file (tokenizer.model or tokenizer.json) a checkpoint was trained with:
+    `explicit` (a file, or a directory holding one), else one next to the checkpoint or run, else
+    in the prepared data dir of its config (data.dir, data.tokenizer); its sha256 must be the one
+    the checkpoint records."""
+    want = ckpt.state.tokenizer_sha256
+    data = ckpt.state.config.get("data") or {}
+    if explicit is not None:
+        places = [Path(explicit)]
+    else:
+        places = [ckpt.tag_dir]
+        if ckpt.run_dir is not None:
+            places.append(ckpt.run_dir)
+        if data.get("dir"):
+            places.append(Path(data["dir"]))
+            if ckpt.run_dir is not None and not Path(data["dir"]).is_absolute():
+                places.append(ckpt.run_dir.parent.parent / data["dir"])
+        if data.get("tokenizer"):
+            places.append(Path(data["tokenizer"]))
+    # a directory may hold either kind; a file names itself
+    candidates = [p / name for p in places if p.is_dir() for name in TOKENIZER_FILES]
+    candidates += [p for p in places if not p.is_dir()]
+    seen = []
+    for cand in candidates:
+        if not cand.is_file():
+            if explicit is not None and not Path(explicit).is_dir():
+                raise CheckpointError(f"tokenizer={cand} does not exist")
+            continue
+        sha = sha256_file(cand)
+        if sha == want:
+            return cand
+        seen.append(f"{cand} (sha256 {sha[:12]})")
+    if seen:
+        raise CheckpointError(
+            f"the tokenizer does not match the model: the checkpoint was trained with sha256 "
+            f"{want[:12]}, found {', '.join(seen)}; pass tokenizer=<the data dir's tokenizer file>"
+        )
+    raise CheckpointError(
+        f"cannot find the tokenizer of checkpoint {ckpt.tag_dir} (looked in the checkpoint, the run and "
+        f"data.dir={data.get('dir')!r}); pass tokenizer=<path to tokenizer.model or tokenizer.json>"
+    )
+
+
+def provenance(ckpt: Checkpoint) -> dict[str, Any]:
+    """Where a checkpoint's weights came from, for an export's model card: steps, tokens, the
+    final training and validation losses (from the run's metrics up to its step)."""
+    state = ckpt.state
+    info: dict[str, Any] = {
+        "step": state.step,
+        "tokens_seen": state.tokens_seen,
+        "train_loss": state.last_loss,
+        "val_loss": None,
+        "val_step": None,
+        "zero_stage": state.zero_stage,
+        "world_size": state.world_size,
+        "precision": state.precision,
+        "tokenizer_sha256": state.tokenizer_sha256,
+        "source": str(ckpt.tag_dir),
+        "run": ckpt.run_dir.name if ckpt.run_dir is not None else None,
+        "run_dir": str(ckpt.run_dir.resolve()) if ckpt.run_dir is not None else None,
+    }
+    if ckpt.run_dir is not None:
+        evals = [
+            r
+            for r in read_metrics(ckpt.run_dir, "eval")
+            if isinstance(r.get("loss"), (int, float)) and r.get("step", state.step + 1) <= state.step
+        ]
+        if evals:
+            info["val_loss"], info["val_step"] = evals[-1]["loss"], evals[-1]["step"]
+    return info

@@ -1,0 +1,317 @@
+"""Per-call choice between the Triton kernels and their torch references.
+
+`kernels` is the model's config value: "auto" runs Triton for CUDA tensors and torch elsewhere
+(the CPU default), "triton" forces the kernels (on CPU through the Triton interpreter, which is
+how CI tests the wiring), "torch" forces the references. The kernels are called through their
+torch custom ops (kernels/library.py: `torch.ops.lmsys.*`), so torch.compile traces through
+them; the kernel modules are imported lazily so a CPU-only user never pays for a Triton import.
+The loss from hidden states follows `model.loss_impl` (`linear_cross_entropy`): the fused Triton
+kernel or the chunked torch path.
+
+Entry points call `prepare_kernels(kernels, device)` once, before anything imports triton: it
+selects the Triton CPU interpreter when "triton" is asked for without CUDA, so that a user never
+has to set TRITON_INTERPRET=1 by hand.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from kernels.reference import add_layer_norm_reference, chunked_linear_cross_entropy, layer_norm_reference
+from lmsys.core.console import warn
+from lmsys.core.errors import ConfigError
+
+# Values of TRITON_INTERPRET that triton reads as "on" (triton.knobs' boolean parsing).
+_TRUTHY = ("1", "true", "on", "yes", "y")
+
+
+def _imported_triton_mode() -> str | None:
+    """How this process's triton builds @triton.jit functions: None while triton is not imported,
+    else "interpreter" or "compiled".
+
+    Triton fixes the mode when it is imported: its own library functions (tl.sum, tl.max, ...)
+    are @triton.jit functions built at that import, for the interpreter or for compiled GPU
+    code, and an interpreted kernel cannot call compiled ones ("Cannot call @triton.jit'd outside
+    of the scope of a kernel"; checked with triton 3.9). Our kernel modules, if imported, were
+    built the same way then."""
+    if "triton" not in sys.modules:
+        return None
+    try:  # triton is already imported here; these imports only look at it
+        from triton.language import standard
+        from triton.runtime import JITFunction
+
+        compiled = isinstance(standard.sum, JITFunction)  # an InterpretedFunction otherwise
+    except (ImportError, AttributeError):  # another triton layout: trust the variable it read
+        compiled = os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in _TRUTHY
+    flash = sys.modules.get("kernels.flash_attention")
+    if flash is not None and not getattr(flash, "_INTERPRET", True):
+        compiled = True
+    return "compiled" if compiled else "interpreter"
+
+
+def prepare_kernels(kernels: str, device: torch.device | str, dtype: torch.dtype | None = None) -> None:
+    """Make `model.kernels=<kernels>` runnable on `device`. Call it once per process, as early as
+    the setting and the device are known and before anything imports triton (DeepSpeed's
+    initialize does, for one).
+
+    Only kernels="triton" without CUDA needs anything: the Triton CPU interpreter. Before triton
+    is imported this sets TRITON_INTERPRET=1 in os.environ (child processes inherit it); when
+    triton is already imported for the interpreter there is nothing to do; when it was imported
+    for compiled GPU code, which cannot be undone in this process, it raises one ConfigError
+    saying how to start the process instead; with `dtype` bf16 it raises one ConfigError too (the
+    interpreter cannot compute bf16 attention). "auto" and "torch" run torch ops on CPU, and on
+    CUDA every setting runs as imported, with a warning when TRITON_INTERPRET would make the
+    kernels run interpreted there.
+    """
+    on_cuda = torch.device(device).type == "cuda"
+    if on_cuda and kernels != "torch" and os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUTHY:
+        warn(
+            "lmsys",
+            "TRITON_INTERPRET is set: the Triton kernels run in the Python interpreter, thousands of "
+            "times slower than compiled; unset it on a GPU machine",
+        )
+    if kernels != "triton" or on_cuda:
+        return
+    if dtype == torch.bfloat16:  # the interpreter's bf16 matmuls return garbage, not an error
+        raise ConfigError(
+            f"model.kernels=triton with bf16 on {torch.device(device)}: the Triton CPU interpreter "
+            "cannot compute bf16 attention; use fp32 there, or model.kernels=auto (torch ops)"
+        )
+    mode = _imported_triton_mode()
+    if mode != "compiled":
+        _warn_interpreted(str(torch.device(device)))
+    if mode is None:
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif mode == "compiled":
+        raise ConfigError(
+            f"model.kernels=triton on {torch.device(device)} needs the Triton CPU interpreter, but "
+            "triton was already imported in this process for compiled GPU kernels and that choice "
+            "is fixed at import; start the process with TRITON_INTERPRET=1 in its environment, or "
+            "use model.kernels=auto (torch ops on CPU)"
+        )
+
+
+@functools.cache  # once per process and device: lmsys-eval run= prepares every checkpoint
+def _warn_interpreted(device: str) -> None:
+    warn(
+        "lmsys",
+        f"model.kernels=triton on {device} runs the Triton kernels in their CPU interpreter, a "
+        "correctness mode about a thousand times slower than torch (minutes per training step even "
+        "for the tiny model); model.kernels=auto uses torch ops on the CPU",
+    )
+
+
+def use_triton(x: torch.Tensor, kernels: str) -> bool:
+    if kernels == "triton":
+        return True
+    if kernels == "torch":
+        return False
+    return x.is_cuda
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def attention(
+    q: torch.Tensor,  # (B, H, Tq, d_qk)
+    k: torch.Tensor,  # (B, H, Tk, d_qk)
+    v: torch.Tensor,  # (B, H, Tk, d_vo)
+    *,
+    causal: bool,
+    scale: float,
+    kernels: str = "auto",
+    softmax: str = "row",
+    key_mask: torch.Tensor | None = None,  # (B, Tk) bool: False at padding keys
+    query_slots: torch.Tensor | None = None,  # (Tq,) the queries' key slots; None: the last Tq
+) -> torch.Tensor:  # (B, H, Tq, d_vo)
+    """softmax(scale * Q K^T + M) V per head. With Tq < Tk (decoding with a KV cache) the queries
+    are the last Tq positions, so the causal mask is aligned to the bottom-right corner, unless
+    `query_slots` places them (a static cache: keys past them are not filled yet, and key_mask
+    hides them). With a key_mask (a padded batch) the padding keys are hidden from every query
+    (padded_attention)."""
+    if key_mask is not None:
+        if softmax == "matrix":
+            raise ValueError(
+                "attention.softmax=matrix normalises over the whole matrix: it cannot take padding"
+            )
+        return padded_attention(q, k, v, key_mask, causal=causal, scale=scale, query_slots=query_slots)
+    if query_slots is not None:
+        raise ValueError("attention with query_slots needs the key_mask of the filled slots")
+    if softmax == "matrix":
+        return matrix_softmax_attention(q, k, v, causal=causal, scale=scale)
+    same_length = q.shape[2] == k.shape[2]
+    if same_length and use_triton(q, kernels):
+        from kernels.library import flash_attention  # the custom op (torch.compile traces it)
+
+        return flash_attention(q, k, v, causal, scale)
+    if causal and q.shape[2] == 1:  # one query after its cache sees every key: no mask, fast path
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+    if causal and not same_length:
+        t_q, t_k = q.shape[2], k.shape[2]
+        query_pos = torch.arange(t_k - t_q, t_k, device=q.device)[:, None]  # (Tq, 1)
+        visible = torch.arange(t_k, device=q.device)[None, :] <= query_pos  # (Tq, Tk)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+
+def padded_attention(
+    q: torch.Tensor,  # (B, H, Tq, d_qk): the last Tq of the Tk key slots
+    k: torch.Tensor,  # (B, H, Tk, d_qk)
+    v: torch.Tensor,  # (B, H, Tk, d_vo)
+    key_mask: torch.Tensor,  # (B, Tk) bool: False at padding slots
+    *,
+    causal: bool,
+    scale: float,
+    query_slots: torch.Tensor | None = None,  # (Tq,) the queries' slots; None: the last Tq
+) -> torch.Tensor:  # (B, H, Tq, d_vo)
+    """Row-softmax attention of a padded batch, in torch (the flash kernel takes no mask).
+
+    A padding key's score is -inf, so its softmax weight is exactly 0 and it adds nothing to any
+    real query's output. A query that is itself padding would see no key at all (a 0/0 row of
+    NaN whose 0 * NaN would then reach real rows through the values): it sees its own slot
+    instead, which keeps it finite; its output is never read."""
+    t_q, t_k = q.shape[2], k.shape[2]
+    if query_slots is None:
+        query_slots = torch.arange(t_k - t_q, t_k, device=q.device)
+    query_slot = query_slots[:, None]  # (Tq, 1)
+    key_slot = torch.arange(t_k, device=q.device)[None, :]  # (1, Tk)
+    visible = key_mask[:, None, None, :]  # (B, 1, 1, Tk)
+    if causal:
+        visible = visible & (key_slot <= query_slot)  # (B, 1, Tq, Tk)
+    visible = visible | (key_slot == query_slot)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+
+
+def matrix_softmax_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+) -> torch.Tensor:
+    """The literal reading of seeds 000/003: softmax normalised over the whole (masked) T x T
+    matrix of each head, not row by row. A reference option only: it is not autoregressive."""
+    scores = scale * (q @ k.transpose(-2, -1))  # (B, H, Tq, Tk)
+    if causal:
+        t_q, t_k = scores.shape[-2:]
+        hidden = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).triu(t_k - t_q + 1)
+        scores = scores.masked_fill(hidden, -math.inf)
+    weights = torch.softmax(scores.flatten(-2), dim=-1).view_as(scores)
+    return weights @ v
+
+
+# ----------------------------------------------------------------------------- normalisation
+
+
+def layer_norm(
+    x: torch.Tensor,  # (..., N)
+    weight: torch.Tensor | None,  # (N,)
+    bias: torch.Tensor | None,  # (N,)
+    *,
+    eps: float,
+    formula: str,
+    kernels: str = "auto",
+) -> torch.Tensor:
+    """Row-wise normalisation with population statistics (SPEC section 5) and the optional affine:
+    the Triton kernel, or its torch definition (kernels/reference.py); "none" is the identity."""
+    if formula == "none":
+        return x
+    if use_triton(x, kernels):
+        from kernels.library import layer_norm as triton_layer_norm  # the custom op: module docstring
+
+        return triton_layer_norm(x, weight, bias, eps, formula)
+    return layer_norm_reference(x, weight, bias, eps, formula)
+
+
+def add_layer_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    *,
+    eps: float,
+    formula: str,
+    kernels: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(LN(x + residual), x + residual): one fused pass on GPU, two ops in torch."""
+    if formula == "none":
+        summed = x + residual
+        return summed, summed
+    if use_triton(x, kernels):
+        from kernels.library import add_layer_norm as fused  # the custom op: module docstring
+
+        return fused(x, residual, weight, bias, eps, formula)
+    return add_layer_norm_reference(x, residual, weight, bias, eps, formula)
+
+
+# ----------------------------------------------------------------------------- the loss
+
+# The dtypes the fused kernel takes (float64 models use the chunked torch path under auto).
+_FUSED_LOSS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def loss_implementation(h: torch.Tensor, loss_impl: str, kernels: str) -> str:
+    """What `model.loss_impl` means for hidden states `h`: "fused", "chunked" or "full" as set, and
+    "auto" is fused where model.kernels runs Triton (CUDA tensors under "auto"), chunked elsewhere."""
+    if loss_impl != "auto":
+        return loss_impl
+    return "fused" if use_triton(h, kernels) and h.dtype in _FUSED_LOSS_DTYPES else "chunked"
+
+
+def linear_cross_entropy(
+    h: torch.Tensor,  # (..., D) last hidden states
+    weight: torch.Tensor,  # (V, D) unembedding (the tied embedding or its own matrix)
+    targets: torch.Tensor,  # (...) ids
+    weights: torch.Tensor | None,  # (...) loss weights
+    bias: torch.Tensor | None,  # (V,)
+    *,
+    loss_impl: str,
+    kernels: str = "auto",
+) -> torch.Tensor:  # 0-dim fp32 (float64 for a float64 model)
+    """-sum(w log softmax(h W^T + b)[t]) / sum(w) without the (tokens, V) logits: the Triton kernel
+    ("fused") or the chunked torch path ("chunked"); "full" is the model's own logits path."""
+    impl = loss_implementation(h, loss_impl, kernels)
+    if impl == "fused":
+        if not h.is_cuda:
+            _prepare_interpreted_loss(h, kernels)
+        # imports triton, so only when the kernel runs (the module docstring says why)
+        from kernels.library import linear_cross_entropy as fused  # its custom op (torch.compile)
+
+        return fused(h, weight, targets, weights, bias)
+    if impl != "chunked":
+        raise ValueError(f"ops.linear_cross_entropy computes the fused or chunked loss, not {impl!r}")
+    return chunked_linear_cross_entropy(h, weight, targets, weights, bias)
+
+
+def _prepare_interpreted_loss(h: torch.Tensor, kernels: str) -> None:
+    """The fused loss on a CPU tensor runs in the Triton interpreter: select it if triton is not
+    imported yet (as prepare_kernels does for model.kernels=triton), or say in one line why not."""
+    device = str(h.device)
+    if h.dtype == torch.bfloat16:
+        raise ConfigError(
+            f"model.loss_impl=fused with bf16 on {device}: the Triton CPU interpreter cannot multiply bf16; "
+            "use model.loss_impl=chunked there"
+        )
+    mode = _imported_triton_mode()
+    if mode == "compiled":
+        raise ConfigError(
+            f"model.loss_impl=fused on {device} needs the Triton CPU interpreter, but triton was already "
+            "imported in this process for compiled GPU kernels (DeepSpeed imports it); set "
+            "model.kernels=triton (lmsys then selects the interpreter first) or TRITON_INTERPRET=1 in the "
+            "environment, or use model.loss_impl=chunked"
+        )
+    if mode is None:
+        os.environ["TRITON_INTERPRET"] = "1"
+    if kernels != "triton":  # with model.kernels=triton, prepare_kernels has said it already
+        _warn_interpreted_loss(device)
+
+
+@functools.cache  # once per process and device
+def _warn_interpreted_loss(device: str) -> None:
+    warn(
+        "lmsys",
+        f"model.loss_impl=fused on {device} runs the Triton kernel in its CPU interpreter, a correctness "
+        "mode far slower than torch; model.loss_impl=auto uses the chunked torch path on the CPU",
+    )

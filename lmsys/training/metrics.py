@@ -1,0 +1,328 @@
+"""Metrics: MFU, memory, metrics.jsonl, Weights & Biases (rank 0 only), the loss plot.
+
+Every record goes to `<run_dir>/metrics.jsonl` (one JSON object per line, `kind` = train | eval)
+and, unless logger.wandb=disabled, to W&B with the same keys (`train/loss`, `eval/loss`, ...).
+W&B never blocks and never prompts: `online` needs WANDB_API_KEY in the environment and falls
+back to `offline` with a warning otherwise (or when the service cannot be reached); its files
+live in `<run_dir>/wandb`. The API key is never written anywhere by lmsys.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmsys.core.files import atomic_write_text
+from lmsys.engine.rundir import METRICS_FILE, WANDB_DIR, read_jsonl, read_metrics
+
+# Dense bf16 tensor-core peak FLOP/s by device-name fragment, most specific first (docs/DESIGN.md:
+# training MFU is measured against the device's dense bf16 peak).
+PEAK_BF16_FLOPS: list[tuple[str, float]] = [
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("A6000", 155e12),
+    ("A10G", 125e12),
+    ("A10", 125e12),
+    ("L4", 121e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+    ("V100", 125e12),  # fp16 tensor cores (no bf16)
+    ("T4", 65e12),  # fp16 tensor cores (no bf16)
+]
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak of one device in FLOP/s, or None (CPU, unknown GPU): MFU is then null."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for fragment, peak in PEAK_BF16_FLOPS:
+        if fragment in name:
+            return peak
+    return None
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads/process)"
+
+
+def mfu(
+    flops_per_token: float, tokens_per_s: float, peak_per_device: float | None, world_size: int
+) -> float | None:
+    """Model FLOPs utilisation: achieved training FLOP/s over the peak of all devices."""
+    if peak_per_device is None or tokens_per_s <= 0:
+        return None
+    return flops_per_token * tokens_per_s / (peak_per_device * world_size)
+
+
+def memory_gb(device: torch.device) -> float:
+    """Peak memory of this process so far: CUDA allocations on GPU, resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # ru_maxrss is KiB on Linux
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+# ----------------------------------------------------------------------------- the logger
+
+
+class MetricsLogger:
+    """metrics.jsonl + W&B. Create it on rank 0 only."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        logger_cfg: Any,
+        config_dict: dict[str, Any],
+        run_name: str,
+        wandb_id: str | None,
+        resumed_step: int,
+        warn: Callable[[str], None],
+    ) -> None:
+        self.run_dir = run_dir
+        self.path = run_dir / METRICS_FILE
+        self.warn = warn
+        self._truncate_after(resumed_step)
+        self._file = open(self.path, "a", encoding="utf-8")
+        self.wandb_run = None
+        self.wandb_mode = "disabled"
+        self.wandb_location: str | None = None  # the online run's URL, the offline run's directory
+        mode = logger_cfg.wandb
+        if mode == "online" and not os.environ.get("WANDB_API_KEY"):
+            warn("logger.wandb=online but WANDB_API_KEY is not set; logging to W&B offline instead")
+            mode = "offline"
+        if mode != "disabled":
+            self.wandb_run = self._init_wandb(mode, logger_cfg, config_dict, run_name, wandb_id)
+        if self.wandb_run is not None and resumed_step > 0:
+            self._replay_to_wandb(logger_cfg.log_interval)
+
+    def _truncate_after(self, step: int) -> None:
+        """A resumed run recomputes the steps after its checkpoint: drop their old records (and a
+        line cut by a kill -9)."""
+        if not self.path.exists():
+            return
+        kept = [r for r in read_jsonl(self.path) if int(r.get("step", 0)) <= step]
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+
+    def _init_wandb(
+        self, mode: str, lg: Any, config_dict: dict[str, Any], run_name: str, wandb_id: str | None
+    ) -> Any:
+        os.environ.setdefault("WANDB_SILENT", "true")
+        os.environ.setdefault("WANDB_CONSOLE", "off")
+        os.environ.setdefault("WANDB_DISABLE_CODE", "true")
+        try:
+            import wandb  # about a second to import: only runs that log to W&B pay it
+        except ImportError:
+            self.warn("wandb is not installed; logging to metrics.jsonl only")
+            return None
+
+        def start(m: str) -> Any:
+            settings = wandb.Settings(
+                console="off",
+                silent=True,
+                save_code=False,
+                x_save_requirements=False,
+                init_timeout=60.0,
+            )
+            return wandb.init(
+                project=lg.project,
+                entity=lg.entity,
+                group=lg.group,
+                tags=list(lg.tags) or None,
+                name=run_name,
+                id=wandb_id,
+                resume="allow" if wandb_id else None,
+                dir=str(self.run_dir),
+                mode=m,
+                config=config_dict,
+                settings=settings,
+            )
+
+        try:
+            run = start(mode)
+        except Exception as exc:  # no network, bad key, service start failure
+            if mode != "online":
+                self.warn(f"W&B could not start ({type(exc).__name__}: {exc}); logging to metrics.jsonl only")
+                return None
+            self.warn(f"W&B online could not start ({type(exc).__name__}); logging to W&B offline instead")
+            try:
+                run = start("offline")
+                mode = "offline"
+            except Exception as exc2:
+                self.warn(
+                    f"W&B could not start ({type(exc2).__name__}: {exc2}); logging to metrics.jsonl only"
+                )
+                return None
+        self.wandb_mode = mode
+        self.wandb_location = run.url if mode == "online" else str(run.settings.sync_dir)
+        run.define_metric("train/*", step_metric="step")
+        run.define_metric("eval/*", step_metric="step")
+        return run
+
+    def _replay_to_wandb(self, log_interval: int) -> None:
+        """Send the records kept from earlier attempts (steps up to the resumed checkpoint) to the
+        resumed W&B run. An offline attempt writes its own file, and one killed with -9 leaves
+        only what W&B had flushed (often nothing), so without this the run's W&B history would
+        start at the resumed step. Steps the W&B run already holds (below `run.starting_step`:
+        what the server has online, nothing offline) are not sent again. Train records follow
+        the usual cadence (every `log_interval`-th step and the first); eval records all go."""
+        assert self.wandb_run is not None
+        held = int(getattr(self.wandb_run, "starting_step", 0) or 0)
+        for record in read_metrics(self.run_dir):
+            kind, step = record.pop("kind", None), int(record.pop("step", 0))
+            if step < held or kind not in ("train", "eval"):
+                continue
+            if kind == "eval" or step % log_interval == 0 or step == 1:
+                self._to_wandb(kind, step, record)
+
+    def _to_wandb(self, kind: str, step: int, values: dict[str, Any]) -> None:
+        assert self.wandb_run is not None
+        data = {f"{kind}/{k}": v for k, v in values.items() if isinstance(v, (int, float)) and v is not None}
+        data["step"] = step
+        self.wandb_run.log(data, step=step)
+
+    @property
+    def wandb_id(self) -> str | None:
+        return None if self.wandb_run is None else self.wandb_run.id
+
+    def log(self, kind: str, step: int, values: dict[str, Any], to_wandb: bool = True) -> None:
+        """One record: always to metrics.jsonl, to W&B when `to_wandb` (every logger.log_interval)."""
+        record = {"kind": kind, "step": step, **{k: _finite_or_none(v) for k, v in values.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self.wandb_run is not None and to_wandb:
+            self._to_wandb(kind, step, values)
+
+    def wandb_line(self) -> str:
+        """Where this run's W&B record is, and for an offline run how to upload it."""
+        if self.wandb_mode == "online":
+            return f"W&B: online run {self.wandb_location}"
+        if self.wandb_mode == "offline":
+            where = self.wandb_location
+            return f"W&B: offline run in {where}; upload it with: wandb sync {where}"
+        return f"W&B: off (metrics in {self.path})"
+
+    def summary(self, values: dict[str, Any]) -> None:
+        if self.wandb_run is not None:
+            for k, v in values.items():
+                self.wandb_run.summary[k] = v
+
+    def close(self, exit_code: int = 0) -> None:
+        self._file.close()
+        if self.wandb_run is not None:
+            try:
+                self.wandb_run.finish(exit_code=exit_code)
+            except Exception as exc:  # never fail a finished training run on logging
+                self.warn(f"W&B finish failed: {type(exc).__name__}: {exc}")
+            self.wandb_run = None
+
+
+# ----------------------------------------------------------------------------- W&B run files
+
+# A .wandb file is W&B's transaction log: a 7-byte header (":W&B", magic 0xBEE1, version 0) then
+# LevelDB-log framing: 32 KiB blocks of records, each with a 7-byte header (crc32c, length,
+# type: 1 full, 2 first, 3 middle, 4 last) whose payloads are wandb_internal_pb2.Record protobufs.
+_WANDB_HEADER = 7
+_BLOCK = 32768
+_RECORD_HEADER = 7
+
+
+def wandb_records(path: str | Path) -> Iterator[Any]:
+    """The protobuf Records of an offline run's .wandb file (parsed with W&B's own schema)."""
+    from wandb.proto import wandb_internal_pb2  # readers only (tests, checks): not on the training path
+
+    data = Path(path).read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{path} is not a W&B run file")
+    pos, pending = _WANDB_HEADER, b""
+    while pos + _RECORD_HEADER <= len(data):
+        left_in_block = _BLOCK - pos % _BLOCK
+        if left_in_block < _RECORD_HEADER:  # block trailer padding
+            pos += left_in_block
+            continue
+        _crc, length, rtype = struct.unpack("<IHB", data[pos : pos + _RECORD_HEADER])
+        pos += _RECORD_HEADER
+        if pos + length > len(data):  # the tail of a run killed mid-write
+            break
+        payload, pos = data[pos : pos + length], pos + length
+        if rtype == 0 and length == 0:  # zero padding
+            continue
+        if rtype == 1:
+            pending = b""
+            chunk = payload
+        elif rtype == 2:
+            pending = payload
+            continue
+        elif rtype == 3:
+            pending += payload
+            continue
+        elif rtype == 4:
+            chunk, pending = pending + payload, b""
+        else:
+            break
+        record = wandb_internal_pb2.Record()
+        try:
+            record.ParseFromString(chunk)
+        except Exception:  # a damaged record: stop reading, as W&B's own reader does
+            break
+        yield record
+
+
+def wandb_files(run_dir: str | Path) -> list[Path]:
+    """The offline W&B run files under run_dir/wandb, one per attempt, oldest first."""
+    return sorted(Path(run_dir, WANDB_DIR).glob("*run-*/run-*.wandb"))
+
+
+def wandb_history(run_dir: str | Path, attempt: int | None = None) -> list[dict[str, Any]]:
+    """Every history row logged to the offline W&B run(s) under run_dir/wandb, oldest first; with
+    `attempt`, only those of that file of `wandb_files` (-1: the latest attempt's)."""
+    rows = []
+    files = wandb_files(run_dir)
+    for path in files if attempt is None else [files[attempt]]:
+        for record in wandb_records(path):
+            if record.WhichOneof("record_type") == "history":
+                row = {}
+                for item in record.history.item:
+                    key = item.key or "/".join(item.nested_key)
+                    row[key] = json.loads(item.value_json)
+                rows.append(row)
+    return rows
+
+
+def wandb_config(run_dir: str | Path) -> dict[str, Any]:
+    """The config the offline W&B run(s) recorded (later updates win)."""
+    config: dict[str, Any] = {}
+    for path in wandb_files(run_dir):
+        for record in wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            items = []
+            if kind == "run":
+                items = record.run.config.update
+            elif kind == "config":
+                items = record.config.update
+            for item in items:
+                key = item.key or "/".join(item.nested_key)
+                config[key] = json.loads(item.value_json)
+    return config

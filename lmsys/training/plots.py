@@ -1,0 +1,103 @@
+"""Every PNG lmsys draws: a run's losses, an evaluation over checkpoints, a sweep's jobs.
+
+matplotlib is imported when a plot is drawn, never at import: it costs about a second, which no
+command should pay before it has something to draw.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lmsys.engine.rundir import LOSS_PLOT_FILE, read_metrics
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot drawing to files only (the Agg backend)."""
+    import matplotlib  # the one place: see the module docstring
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_losses(run_dir: str | Path) -> Path | None:
+    """<run>/loss.png: training loss per step and validation loss, from metrics.jsonl."""
+    train = [r for r in read_metrics(run_dir, "train") if r.get("loss") is not None]
+    evals = [r for r in read_metrics(run_dir, "eval") if r.get("loss") is not None]
+    if not train and not evals:
+        return None
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    if train:
+        ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", lw=1.2)
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="validation loss", lw=1.2)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(Path(run_dir).name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = Path(run_dir) / LOSS_PLOT_FILE
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def plot_run(rows: list[dict], out: Path, title: str) -> Path:
+    """lmsys-eval run=: loss and perplexity of every checkpoint against its step."""
+    plt = pyplot()
+    steps = [r["step"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4), dpi=110)
+    ax1.plot(steps, [r["loss"] for r in rows], "o-")
+    ax1.set_xlabel("optimizer step")
+    ax1.set_ylabel("loss (nats/token)")
+    ax2.plot(steps, [r["perplexity"] for r in rows], "o-", color="tab:orange")
+    ax2.set_xlabel("optimizer step")
+    ax2.set_ylabel("perplexity")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def plot_sweep(jobs: Sequence[Any], labels: Sequence[str], path: Path, title: str) -> Path | None:
+    """losses.png: training loss (left) and validation loss (right), every job on shared axes."""
+    if not any(j.train or j.val for j in jobs):
+        return None
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), dpi=110, sharex=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (job, label) in enumerate(zip(jobs, labels)):
+        color = colors[i % len(colors)]
+        if job.train:
+            axes[0].plot(*zip(*job.train), color=color, lw=1.2, label=label)
+        if job.val:
+            axes[1].plot(*zip(*job.val), "o-", color=color, lw=1.2, ms=3, label=label)
+    for ax, name in zip(axes, ("training loss", "validation loss")):
+        ax.set_title(name)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("cross-entropy (nats/token)")
+    if not any(j.val for j in jobs):
+        axes[1].text(0.5, 0.5, "no validation yet", ha="center", va="center", transform=axes[1].transAxes)
+    handles, labels = axes[0].get_legend_handles_labels()
+    if not handles:
+        handles, labels = axes[1].get_legend_handles_labels()
+    fig.legend(
+        handles, labels, loc="lower center", ncol=min(3, max(1, len(labels))), fontsize=8, frameon=False
+    )
+    fig.suptitle(title)
+    rows_of_legend = math.ceil(len(labels) / 3) if labels else 0
+    fig.tight_layout(rect=(0, min(0.4, 0.06 * rows_of_legend + 0.02), 1, 1))
+    fig.savefig(path)
+    plt.close(fig)
+    return path

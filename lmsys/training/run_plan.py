@@ -1,0 +1,111 @@
+"""What a training launch works on, settled before the engine exists: the prepared data, the
+device and process group, the run directory and the checkpoint it continues (rank 0 decides,
+every rank receives the same plan or the same error), and the learning-rate schedule's horizon.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lmsys.core.config import Config, config_to_dict, tokens_per_sample
+from lmsys.core.console import Console
+from lmsys.core.errors import ConfigError, LmsysError
+from lmsys.core.runtime import env_dist_info, resolve_device, resolve_precision, resume_batch_plan
+from lmsys.data.shards import PreparedData
+from lmsys.engine import checkpoint as ckpt
+from lmsys.engine import rundir
+from lmsys.engine import zero as eng
+from lmsys.model.ops import prepare_kernels
+
+
+def elastic_ids() -> tuple[str | None, int]:
+    return os.environ.get("TORCHELASTIC_RUN_ID"), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def open_data(cfg: Config) -> PreparedData:
+    """The prepared data, refused (DataError) when it does not fit the model or the sequence length."""
+    data = PreparedData(cfg.data.dir)
+    data.check_model(cfg.model)
+    data.check_sequences(tokens_per_sample(cfg.model, cfg.data.seq_len))
+    return data
+
+
+def start_processes(cfg: Config) -> tuple[torch.device, str]:
+    """Device, kernels and precision, then the process group."""
+    t = cfg.trainer
+    device = resolve_device(t.device, env_dist_info().local_rank, key="trainer.device")
+    prepare_kernels(cfg.model.kernels, device)  # before anything imports triton (DeepSpeed does)
+    precision = resolve_precision(cfg.deepspeed.precision, device)
+    eng.init_distributed(device, t.dist_timeout_s)
+    return device, precision
+
+
+@dataclass
+class RunPlan:
+    run_dir: Path
+    resume: ckpt.Checkpoint | None  # the checkpoint to continue from
+    damaged: list[Path] = field(default_factory=list)  # newer checkpoints the resume passed over
+
+
+def plan_run(cfg: Config, tokenizer_sha256: str, world_size: int, warn: Callable[[str], None]) -> RunPlan:
+    """Rank 0, read-only: where the run lives and what it resumes from. Raises user errors."""
+    t = cfg.trainer
+    if t.run_dir:
+        run_dir = Path(t.run_dir)
+        if run_dir.exists() and not run_dir.is_dir():
+            raise ConfigError(f"trainer.run_dir={t.run_dir} exists and is not a directory")
+    else:  # after a torchrun restart: the directory of the job's first attempt
+        run_id, restarts = elastic_ids()
+        restarted = rundir.find_restarted_run(cfg.model.name, run_id) if run_id and restarts else None
+        run_dir = restarted or rundir.new_run_dir(cfg.model.name)
+    found, damaged = None, []
+    if t.resume == "auto":
+        found = ckpt.find_latest(run_dir, warn, damaged=damaged) if run_dir.exists() else None
+    elif t.resume == "never":
+        if ckpt.list_checkpoints(run_dir / rundir.CHECKPOINTS):
+            raise ConfigError(
+                f"trainer.run_dir={run_dir} already holds checkpoints and trainer.resume=never; "
+                "use trainer.resume=auto to continue it or choose another trainer.run_dir"
+            )
+    elif not Path(t.resume).is_dir():
+        raise ConfigError(f"trainer.resume={t.resume} is not a checkpoint directory (nor a run directory)")
+    else:
+        found = ckpt.resolve(t.resume, warn)  # a checkpoint directory, or a run's newest intact one
+    if found is not None:
+        model_dict = config_to_dict(cfg)["model"]
+        ckpt.check_compatible(found.state, model_dict, tokenizer_sha256)
+        resume_batch_plan(cfg, world_size, found.step)
+    return RunPlan(run_dir, found, damaged)
+
+
+def agree_on_run(cfg: Config, rank: int, world_size: int, tokenizer_sha256: str, console: Console) -> RunPlan:
+    """Rank 0 plans the run and every rank receives the same plan, or raises the same error."""
+    box: list[RunPlan | LmsysError | None] = [None]
+    if rank == 0:
+        try:
+            box[0] = plan_run(cfg, tokenizer_sha256, world_size, console.warn)
+        except LmsysError as exc:
+            box[0] = exc
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], LmsysError):
+        raise box[0]
+    assert box[0] is not None
+    return box[0]
+
+
+def schedule_horizon(cfg: Config, resume: ckpt.Checkpoint | None) -> int:
+    """The step where the learning rate's cosine ends: optim.decay_steps when set, else the
+    horizon the resumed run was trained with (so raising trainer.max_steps extends the run
+    without changing the learning rates it already had), else trainer.max_steps."""
+    if cfg.optim.decay_steps:
+        return cfg.optim.decay_steps
+    if resume is not None:
+        saved = resume.state.config
+        return int(saved.get("optim", {}).get("decay_steps") or saved["trainer"]["max_steps"])
+    return cfg.trainer.max_steps

@@ -1,0 +1,564 @@
+"""The trainer: one training run on one rank, from the prepared data and the process group to the
+last checkpoint; lmsys-train (lmsys/train.py) calls `train(cfg)` on every rank.
+
+Every rank composes the same config; rank 0 picks the run directory (trainer.run_dir, or
+runs/<model.name>-<timestamp>) after the process group is up and broadcasts it, so all ranks
+share ONE directory (lmsys/engine/rundir.py). A plain run composes its config once, without Hydra's
+app; `-m` and Hydra's other flags go through Hydra (which writes nothing: conf/config.yaml has no
+output subdir, no log files, run dir ".").
+
+One optimizer step (`Trainer.train_step`): the loader's `grad_accum` micro-batches on every rank
+(together the same set of sequences whatever the world size), a forward/backward each through
+the engine, one optimizer step. Each micro-batch's loss is weighted by its share of the step's
+loss weights, so the gradient is that of the step's global weighted mean loss for any split into
+ranks and micro-batches. A step whose loss is NaN/inf is skipped (no update) with a warning, at
+most trainer.max_nan_skips times. Checkpoints: lmsys/engine/checkpoint.py; trainer.resume=auto continues
+from the newest complete one, on any world size and ZeRO stage that splits the global batch
+(lmsys/engine/reshard.py). SIGTERM / SIGUSR1 (preemption) and Ctrl-C stop the run after the step under
+way, with a checkpoint of it, every rank at the same step (lmsys/training/stopping.py): exit 75 or 130.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from lmsys.core.config import Config, config_to_dict
+from lmsys.core.console import Console, StepReport
+from lmsys.core.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, Stopped, TrainingError
+from lmsys.core.runtime import Setup, batch_plan, seed_everything
+from lmsys.data.loader import Batch, TokenLoader
+from lmsys.data.shards import PreparedData
+from lmsys.engine import checkpoint as ckpt
+from lmsys.engine import rundir
+from lmsys.engine import zero as eng
+from lmsys.interop.exports import initial_model
+from lmsys.model.compiling import compile_errors, compile_stats, compile_summary, say_compiled
+from lmsys.model.transformer import Transformer, next_token_pairs
+from lmsys.training.metrics import MetricsLogger, device_name, device_peak_flops, memory_gb, mfu
+from lmsys.training.plots import plot_losses
+from lmsys.training.run_plan import (
+    RunPlan,
+    agree_on_run,
+    elastic_ids,
+    open_data,
+    schedule_horizon,
+    start_processes,
+)
+from lmsys.training.stopping import StopRequest
+
+PROG = "lmsys-train"
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float  # the step's global weighted mean loss
+    lr: float
+    outcome: eng.StepOutcome
+    seconds: float
+    stop: str | None = None  # "preempted" | "interrupted": a rank was signalled to stop after this step
+
+
+class Trainer:
+    """One training run on this rank: the engine, the loader, the train state, what is logged."""
+
+    def __init__(self, cfg: Config, setup: Setup, data: PreparedData, run: RunPlan, console: Console):
+        t, plan = cfg.trainer, setup.plan
+        cfg = replace(cfg, optim=replace(cfg.optim, decay_steps=schedule_horizon(cfg, run.resume)))
+        self.cfg, self.setup, self.run_dir, self.console = cfg, setup, run.run_dir, console
+        seed_everything(t.seed)  # identical initialisation on every rank
+        model = self._first_model(data, run)
+        self.n_params = model.num_parameters()
+        self.flops_per_token = model.flops_per_token(plan.seq_len)
+        self.peak_flops = device_peak_flops(setup.device)  # per device; None on CPU: no MFU
+        started = time.perf_counter()
+        self.engine, self.engine_info, self.ds_json = eng.initialize(
+            model, cfg, plan, setup.device, setup.precision
+        )
+        self.engine_seconds = time.perf_counter() - started
+        # dynamo's counters are process-wide (a sweep's jobs share a process): this run counts from here
+        self.compile_start = compile_stats() if self.engine_info.compiled else None
+        self.loader = TokenLoader(
+            data,
+            "train",
+            tokens_per_sample=plan.tokens_per_sample,
+            global_batch_size=plan.global_batch_sequences,
+            micro_batch_size=plan.micro_batch_size,
+            rank=setup.rank,
+            world_size=setup.world_size,
+            seed=t.seed,
+            mask_doc_boundaries=cfg.data.mask_doc_boundaries,
+        )
+        self.state = ckpt.TrainState(
+            step=0,
+            tokens_seen=0,
+            nan_skips=0,
+            last_loss=None,
+            world_size=setup.world_size,
+            zero_stage=cfg.deepspeed.stage,
+            precision=setup.precision,
+            tokenizer_sha256=data.tokenizer_sha256,
+            wandb_id=None,
+            config=config_to_dict(cfg),
+        )
+        self.resumed, self.damaged = run.resume, run.damaged
+        self.stop = StopRequest()  # train() installs its signal handlers
+        if run.resume is not None:
+            self._resume(run.resume)
+        self.start_step = self.state.step
+        self.first_loss: float | None = None  # of this launch
+        self.last_val: float | None = None
+        self.saved_step = self.start_step if run.resume is not None else -1
+        self.stats_written = False
+        self.logger: MetricsLogger | None = None
+
+    def _first_model(self, data: PreparedData, run: RunPlan) -> Transformer:
+        """A new model, or with model.init_from the export's weights (unless the run resumes:
+        then the checkpoint's weights win), before the engine wraps it."""
+        init_from = self.cfg.model.init_from
+        if init_from and run.resume is None:
+            self.console.note(f"starting from the weights of model.init_from={init_from}")
+            return initial_model(init_from, self.cfg.model, data.tokenizer_sha256)
+        if init_from:
+            self.console.note(f"resuming {run.resume.tag_dir}: model.init_from={init_from} is ignored")
+        return Transformer(self.cfg.model)
+
+    def _resume(self, found: ckpt.Checkpoint) -> None:
+        setup, stage = self.setup, self.cfg.deepspeed.stage
+        ckpt.load(self.engine, found, setup.world_size, stage, setup.precision)
+        rank_state = ckpt.read_rank_state(found, setup.rank, setup.world_size)
+        self.loader.load_state_dict(rank_state["loader"])
+        ckpt.set_rng_state(rank_state["rng"])
+        saved = found.state
+        self.state = replace(
+            self.state,
+            step=saved.step,
+            tokens_seen=saved.tokens_seen,
+            nan_skips=saved.nan_skips,
+            last_loss=saved.last_loss,
+            wandb_id=saved.wandb_id,
+        )
+        how = ""
+        if not ckpt.same_layout(saved, setup.world_size, stage, setup.precision):
+            how = (
+                f"; resharded from ZeRO-{saved.zero_stage} on {saved.world_size} rank(s), {saved.precision}, "
+                f"to ZeRO-{stage} on {setup.world_size}, {setup.precision}"
+            )
+        self.console.note(f"resumed from {found.tag_dir} (step {saved.step}{how})")
+        self._say_extension(saved)
+
+    def _say_extension(self, saved: ckpt.TrainState) -> None:
+        """What a resume continues: the rest of the run, or more steps than it was started with."""
+        before = int(saved.config["trainer"]["max_steps"])
+        now, horizon = self.cfg.trainer.max_steps, self.cfg.optim.decay_steps
+        if now <= saved.step or now == before:
+            return
+        if now < before:
+            self.console.note(f"trainer.max_steps lowered from {before} to {now}")
+            return
+        if horizon >= now:
+            plan = f"its cosine ends at step {horizon} (optim.decay_steps)"
+        else:
+            floor = self.cfg.optim.lr * self.cfg.optim.min_lr_ratio
+            plan = (
+                f"the learning rate keeps its schedule: cosine to step {horizon}, then {floor:.2e} to "
+                f"the end (optim.decay_steps={now} stretches the cosine over all {now} steps)"
+            )
+        self.console.note(f"trainer.max_steps extended from {before} to {now}; {plan}")
+
+    def open_run_dir(self) -> None:
+        """Only now, with the checkpoint and loader state accepted, does the run directory change
+        (a refused resume leaves it as it was): run files, the metrics logger, the banner."""
+        cfg, setup = self.cfg, self.setup
+        if setup.rank == 0:
+            run_id, restarts = elastic_ids()
+            launch = {
+                "resumed_from": str(self.resumed.tag_dir) if self.resumed else None,
+                "init_from": str(Path(cfg.model.init_from).resolve())
+                if cfg.model.init_from and not self.resumed
+                else None,
+                "torchelastic_restart": restarts,
+                "world_size": setup.world_size,
+                "device": str(setup.device),
+            }
+            for path in self.damaged:  # found by the resume; kept for inspection, out of every listing
+                moved = ckpt.move_aside(path)
+                self.console.warn(f"moved the damaged checkpoint {path.name} to {moved}")
+            config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+            rundir.record_launch(self.run_dir, config_yaml, launch, run_id)
+            rundir.write_json(self.run_dir, rundir.DEEPSPEED_FILE, self.ds_json)
+            self.logger = MetricsLogger(
+                self.run_dir,
+                cfg.logger,
+                self.state.config,
+                self.run_dir.name,
+                self.state.wandb_id,
+                self.start_step,
+                self.console.warn,
+            )
+            self.state.wandb_id = self.logger.wandb_id
+        dist.barrier()
+        self._banner()
+
+    def _banner(self) -> None:
+        cfg, setup, info = self.cfg, self.setup, self.engine_info
+        extras = [
+            (info.activation_checkpointing, ", activation checkpointing"),
+            (info.offload_optimizer, ", offload optimizer"),
+            (info.offload_param, ", offload params"),
+        ]
+        prog = self.console.prog
+        self.console.say(
+            f"{prog}: model {cfg.model.name}: {self.n_params:,} parameters, "
+            f"{self.flops_per_token / 1e6:,.1f} MFLOP per token "
+            f"(6N + 12LHdT at T={setup.plan.seq_len})\n"
+            f"{prog}: {setup.plan.arithmetic()} ({setup.plan.global_batch_sequences} sequences)\n"
+            f"{prog}: ZeRO stage {info.stage}, world size {setup.world_size}, "
+            f"device {device_name(setup.device)}, {setup.precision}, {info.optimizer}"
+            + "".join(text for on, text in extras if on)
+            + f" (ready in {self.engine_seconds:.1f} s)"
+            + f"\n{prog}: {self._steps_planned()}, run directory {self.run_dir}"
+            + f"\n{prog}: validation every {cfg.trainer.eval_interval} steps on {self.val_coverage()}"
+            + ("" if cfg.trainer.eval_batches == 0 else " (trainer.eval_batches=0: the whole split)")
+        )
+        if self.logger is not None:
+            self.console.note(f"{self.logger.wandb_line()}")
+
+    def _steps_planned(self) -> str:
+        first, last = self.start_step + 1, self.cfg.trainer.max_steps
+        if first > last:
+            return f"no steps to run: the checkpoint is at step {self.start_step} (trainer.max_steps={last})"
+        return f"steps {first}..{last}"
+
+    # -- one optimizer step -------------------------------------------------------------------
+
+    def _prediction_weight(self, batch: Batch) -> float:
+        """The sum of the loss weights the model's objective uses for this micro-batch."""
+        _, _, weights = next_token_pairs(self.cfg.model, batch.tokens, batch.weights)
+        assert weights is not None
+        return float(weights.sum().item())
+
+    def _global_weight(self, weights: list[float], loader_step: int) -> float:
+        """The loss weights of the whole step, over every rank's micro-batches."""
+        plan = self.setup.plan
+        # Without document-boundary masking every weight is 1 except in the split's last, partly
+        # weighted sample: the total is then known without a collective (and its device sync).
+        if not self.cfg.data.mask_doc_boundaries and not self.loader.step_has_repeats(loader_step):
+            return float(plan.global_batch_sequences * plan.seq_len)
+        total = torch.tensor([sum(weights)], dtype=torch.float64, device=self.setup.device)
+        dist.all_reduce(total)
+        return total.item()
+
+    def train_step(self, step: int) -> StepResult:
+        """Optimizer step `step` (1-based): forward/backward every micro-batch of this rank, each
+        scaled by its share of the step's loss weights, then the update (skipped for a non-finite
+        loss). Returns the step's global weighted mean loss."""
+        start = time.perf_counter()
+        engine, plan, device = self.engine, self.setup.plan, self.setup.device
+        if step == self.cfg.trainer.debug_signal_at_step and self.setup.rank == self.setup.world_size - 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # fault injection: a preemption that reaches one rank
+        lr = eng.lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
+        eng.set_lr(engine, lr)
+        loader_step = self.loader.step
+        batches = [self.loader.next_batch() for _ in range(plan.grad_accum)]
+        weights = [self._prediction_weight(b) for b in batches]
+        global_weight = self._global_weight(weights, loader_step)
+        micro_batches = plan.grad_accum * self.setup.world_size
+        totals = torch.zeros(3, dtype=torch.float64, device=device)  # (weighted loss, preempt, interrupt)
+        for i, batch in enumerate(batches):
+            loss = engine(
+                batch.tokens.to(device, non_blocking=True), batch.weights.to(device, non_blocking=True)
+            )
+            if i == 0 and step in self.cfg.trainer.debug_nan_steps:
+                loss = loss * float("nan")  # fault injection
+            totals[0] += loss.detach().double() * weights[i]
+            # DeepSpeed averages the micro-batch gradients of all ranks: scaling each by its share
+            # of the step's weights times their count makes that average the weighted mean's.
+            scale = weights[i] * micro_batches / global_weight if global_weight > 0 else 0.0
+            engine.backward(loss if scale == 1.0 else loss * scale)
+            if i < plan.grad_accum - 1:
+                engine.step()  # not a boundary: DeepSpeed only counts the micro-step
+        totals[1], totals[2] = self.stop.flags()  # read as late as possible; summed over the ranks
+        dist.all_reduce(totals)
+        weighted_loss, preempt, interrupt = totals.tolist()
+        step_loss = weighted_loss / global_weight if global_weight > 0 else 0.0
+        outcome = eng.optimizer_step(engine, math.isfinite(step_loss))
+        stop = "interrupted" if interrupt else "preempted" if preempt else None
+        return StepResult(step, step_loss, lr, outcome, time.perf_counter() - start, stop)
+
+    # -- around the step ------------------------------------------------------------------------
+
+    def record(self, result: StepResult, elapsed_s: float) -> None:
+        """Account for a finished step: the train state, warnings, engine stats, the metrics."""
+        t, plan = self.cfg.trainer, self.setup.plan
+        state = self.state
+        state.step = result.step
+        state.tokens_seen += plan.tokens_per_step
+        finite = math.isfinite(result.loss)
+        if not finite:
+            state.nan_skips += 1
+            self.console.warn(
+                f"step {result.step}: loss is {result.loss}; skipped the update "
+                f"({state.nan_skips} of trainer.max_nan_skips={t.max_nan_skips})"
+            )
+        elif not result.outcome.applied:
+            self.console.warn(f"step {result.step}: gradient overflow; the update was skipped")
+        else:
+            state.last_loss = result.loss
+            self.first_loss = result.loss if self.first_loss is None else self.first_loss
+        if result.outcome.applied and not self.stats_written:
+            self._write_engine_stats()
+        if self.engine_info.compiled and result.step == self.start_step + 1:
+            say_compiled(self.console, compile_stats(self.compile_start), "training", result.seconds)
+        tokens_per_s = plan.tokens_per_step / result.seconds
+        utilisation = mfu(self.flops_per_token, tokens_per_s, self.peak_flops, plan.world_size)
+        if self.logger is not None:
+            values = {
+                "loss": result.loss,
+                "lr": result.lr,
+                "grad_norm": result.outcome.grad_norm,
+                "tokens_per_s": tokens_per_s,
+                "mfu": utilisation,
+                "step_time_s": result.seconds,
+                # wall time since this launch's first step began, logging of earlier steps
+                # included: differences give the loop's true per-step cost (lmsys.bench train)
+                "elapsed_s": elapsed_s,
+                "memory_gb": memory_gb(self.setup.device),
+                "tokens": state.tokens_seen,
+                "skipped": not result.outcome.applied,
+            }
+            wandb_due = result.step % self.cfg.logger.log_interval == 0 or result.step in (
+                self.start_step + 1,
+                t.max_steps,
+            )
+            self.logger.log("train", result.step, values, to_wandb=wandb_due)
+        if state.nan_skips > t.max_nan_skips:
+            raise TrainingError(
+                f"loss was NaN/inf at {state.nan_skips} steps, more than trainer.max_nan_skips="
+                f"{t.max_nan_skips}; stopping at step {result.step} (lower optim.lr or raise "
+                f"optim.warmup_steps; checkpoints in {self.run_dir / rundir.CHECKPOINTS})"
+            )
+        self.console.step_done(
+            StepReport(
+                step=result.step,
+                max_steps=t.max_steps,
+                loss=result.loss,
+                lr=result.lr,
+                grad_norm=result.outcome.grad_norm,
+                tokens_per_s=tokens_per_s,
+                mfu=utilisation,
+                elapsed_s=elapsed_s,
+                steps_done=result.step - self.start_step,
+            )
+        )
+
+    def _write_engine_stats(self) -> None:
+        """What each rank holds (after the first applied step: Adam's state exists from then on)."""
+        self.stats_written = True
+        gathered: list[dict[str, int] | None] = [None] * self.setup.world_size
+        dist.all_gather_object(gathered, eng.shard_stats(self.engine))
+        if self.setup.rank == 0:
+            stats = {"engine": self.engine_info.as_dict(), "ranks": gathered}
+            rundir.write_json(self.run_dir, rundir.ENGINE_STATS_FILE, stats)
+
+    def val_coverage(self) -> str:
+        """`all 240 val sequences` or `224 of 240 val sequences`."""
+        covered, total = self.loader.val_coverage(self.cfg.trainer.eval_batches)
+        return f"all {total} val sequences" if covered == total else f"{covered} of {total} val sequences"
+
+    def evaluate(self) -> float:
+        """The weighted mean loss on trainer.eval_batches validation micro-batches of every rank
+        (0: the whole validation split)."""
+        engine, device = self.engine, self.setup.device
+        engine.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=device)  # (weighted loss, weight)
+        with torch.no_grad():
+            for batch in self.loader.val_batches(self.cfg.trainer.eval_batches):
+                weight = self._prediction_weight(batch)
+                loss = engine(batch.tokens.to(device), batch.weights.to(device))  # every rank runs it
+                if weight > 0:  # the whole split's last round may hold only weight-0 filler rows
+                    total[0] += loss.double() * weight
+                    total[1] += weight
+        dist.all_reduce(total)
+        engine.train()
+        return (total[0] / total[1]).item() if total[1].item() > 0 else float("nan")
+
+    def evaluate_and_log(self, step: int, train_loss: float) -> None:
+        self.last_val = self.evaluate()
+        if self.logger is not None:
+            self.logger.log("eval", step, {"loss": self.last_val, "ppl": math.exp(min(self.last_val, 80.0))})
+        self.console.eval_done(step, train_loss, self.last_val, self.val_coverage())
+
+    def save(self, announce: bool = True) -> Path:
+        t = self.cfg.trainer
+        rank_state = {"loader": self.loader.state_dict(), "rng": ckpt.rng_state()}
+        start = time.perf_counter()
+        saved = ckpt.save(
+            self.engine,
+            self.run_dir,
+            self.state,
+            rank_state,
+            self.setup.rank,
+            t.keep_last,
+            warn=self.console.warn,
+            pause_s=t.debug_save_delay_s,
+        )
+        self.saved_step = self.state.step
+        if announce:
+            self.console.note(f"saved checkpoint {saved} ({time.perf_counter() - start:.1f} s)")
+        return saved
+
+    def _debug_faults(self, step: int) -> None:
+        """trainer.debug_*: slow every step down, or make the last rank die (first attempt only)."""
+        t = self.cfg.trainer
+        if t.debug_step_delay_s > 0:
+            time.sleep(t.debug_step_delay_s)
+        _, restarts = elastic_ids()
+        if t.debug_crash_at_step == step and self.setup.rank == self.setup.world_size - 1 and restarts == 0:
+            print(
+                f"{self.console.prog}: debug: rank {self.setup.rank} exits at step {step} "
+                "(trainer.debug_crash_at_step)",
+                flush=True,
+            )
+            os._exit(13)
+
+    # -- the run ---------------------------------------------------------------------------------
+
+    def fit(self, step_hook: Callable[[int], None] | None = None) -> None:
+        """Every step from the checkpoint's to trainer.max_steps, evaluating and saving on their
+        intervals and at the end. step_hook(step) runs after each step's logging, evaluation and
+        checkpoint (lmsys.bench train interleaves a plain loop's steps with lmsys's through it).
+        A stop request (`StopRequest`) ends the run after the step every rank learns of it in:
+        `_stop` saves that step and raises Stopped."""
+        t = self.cfg.trainer
+        started = time.perf_counter()
+        self.engine.train()
+        stop: str | None = None
+        self.stop.armed = True
+        try:
+            with self.console.progress(total=t.max_steps, initial=self.start_step):
+                for step in range(self.start_step + 1, t.max_steps + 1):
+                    if step == self.start_step + 1 and self.engine_info.compile_strict:
+                        with compile_errors("trainer.compile", "trainer.compile=false trains eager"):
+                            result = self.train_step(step)
+                    else:
+                        result = self.train_step(step)
+                    self.record(result, time.perf_counter() - started)
+                    if step % t.eval_interval == 0 or step == t.max_steps:
+                        self.evaluate_and_log(step, result.loss)
+                    if step % t.save_interval == 0 or step == t.max_steps:
+                        self.save()
+                    if result.stop is not None and step < t.max_steps:
+                        stop = result.stop
+                        break
+                    if step_hook is not None:
+                        step_hook(step)
+                    self._debug_faults(step)
+            if stop is not None:
+                self._stop(stop)
+            if self.saved_step != t.max_steps and self.start_step < t.max_steps:
+                self.save()
+        except BaseException as exc:
+            if self.logger is not None:
+                self.logger.close(exit_code=exc.exit_code if isinstance(exc, Stopped) else 1)
+                self.logger = None
+            raise
+        self._finish(time.perf_counter() - started)
+
+    def _stop(self, why: str) -> None:
+        """Save the step every rank has just finished (unless its periodic save did), say so in
+        one line, and raise Stopped with the exit status for the launcher."""
+        step = self.state.step
+        if why == "interrupted":
+            head, code, then = "interrupted", EXIT_INTERRUPTED, "trainer.resume=auto continues"
+        else:
+            head, code = f"preempted ({self.stop.name() or 'a signal to another rank'})", EXIT_REQUEUE
+            then = f"exit {EXIT_REQUEUE}: requeue, or run again with trainer.resume=auto, to continue"
+        self.console.status(f"{self.console.prog}: {head}: saving step {step} ...", end="")
+        try:
+            path = self.run_dir / rundir.CHECKPOINTS / ckpt.tag_for(step)
+            if self.saved_step != step:
+                path = self.save(announce=False)  # the stop line says it
+        except BaseException:
+            self.console.status(" not saved")
+            raise
+        self.console.status(f" saved {path}; {then}")
+        if self.logger is not None:
+            self.logger.close(exit_code=code)
+            self.logger = None
+            plot_losses(self.run_dir)
+        dist.barrier()  # leave together: a launcher stops the other ranks when the first one exits
+        raise Stopped(f"stopped after step {step}", code)
+
+    def _finish(self, elapsed: float) -> None:
+        t = self.cfg.trainer
+        wandb_line = self.logger.wandb_line() if self.logger is not None else ""
+        if self.logger is not None:
+            self.logger.summary(
+                {
+                    "final/loss": self.state.last_loss,
+                    "final/val_loss": self.last_val,
+                    "final/steps": t.max_steps,
+                }
+            )
+            self.logger.close()
+            plot_losses(self.run_dir)
+        if self.start_step >= t.max_steps:
+            self.console.note(f"nothing to do: the checkpoint is already at trainer.max_steps={t.max_steps}")
+        else:
+            first = f"{self.first_loss:.4f}" if self.first_loss is not None else "n/a"
+            last = f"{self.state.last_loss:.4f}" if self.first_loss is not None else "n/a"
+            val = ""
+            if self.last_val is not None:
+                val = f", val loss {self.last_val:.4f} (ppl {math.exp(min(self.last_val, 80.0)):.1f})"
+            self.console.note(
+                f"done: steps {self.start_step + 1}..{t.max_steps} in {elapsed:.1f} s, "
+                f"loss {first} -> {last}{val}"
+            )
+        if self.engine_info.compiled:
+            graphs = "the training step; evaluation, without gradients, has its own"
+            self.console.note(f"{compile_summary(compile_stats(self.compile_start), graphs)}")
+        self.console.note(f"run directory: {self.run_dir.resolve()}")
+        if wandb_line:
+            self.console.note(f"{wandb_line}")
+        dist.barrier()
+
+
+def train(cfg: Config, step_hook: Callable[[int], None] | None = None) -> Path:
+    """Train according to `cfg` (validated). Every rank calls this. Returns the run directory.
+
+    step_hook(step), if given, runs at the end of every step (see `Trainer.fit`)."""
+    stop = StopRequest()  # from now on SIGTERM / SIGUSR1 stop the run after a step, with a checkpoint
+    stop.install()
+    try:
+        data = open_data(cfg)  # every mistake in the data is reported before the process group forms
+        rank = int(os.environ.get("RANK", "0"))  # torchrun's; the process group forms below
+        console = Console(PROG, rank, cfg.trainer.progress, cfg.logger.console_interval)
+        console.say(
+            f"{PROG}: starting: process group, model, DeepSpeed engine (a first run on a machine also "
+            "builds DeepSpeed's ops: a minute or two)"
+        )
+        device, precision = start_processes(cfg)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        run = agree_on_run(cfg, rank, world, data.tokenizer_sha256, console)  # a resume's batch check first
+        setup = Setup(device, precision, rank, world, batch_plan(cfg, world))
+        trainer = Trainer(cfg, setup, data, run, console)
+        trainer.stop = stop
+        trainer.open_run_dir()
+        trainer.fit(step_hook)
+    finally:
+        stop.restore()
+    return run.run_dir
