@@ -66,7 +66,7 @@ if str(REPO_ROOT) not in sys.path:  # `python launch/torchrun.py` as well as `py
     sys.path.insert(0, str(REPO_ROOT))
 
 from lmsys.cli import run_cli  # noqa: E402  (after the path set-up above)
-from lmsys.core.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, ConfigError, LmsysError  # noqa: E402
+from lmsys.core.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, LmsysError  # noqa: E402
 
 PROG = "lmsys-launch"
 DEFAULT_PORT = 29400
@@ -466,29 +466,14 @@ def _stopped(code: int, by: str) -> int:
 
 
 def check_training_config(overrides: list[str], world_size: int) -> None:
-    """Compose lmsys.train's config and cut its batch for `world_size` ranks before any worker
-    starts: a mistake is then one line (ConfigError), not every rank's failure and torchrun's. A
-    batch that does not split is reported as the resume's when the run would resume a checkpoint
-    (its advice differs: a resumed run keeps its global batch)."""
-    # lmsys's config, batch arithmetic and checkpoint rule import Hydra and torch: only for
-    # lmsys.train launches.
+    """Compose lmsys.train's config and run the trainer's preflight for `world_size` ranks before
+    any worker starts (lmsys.training.preflight): a mistake is then one line, not every rank's
+    failure and torchrun's."""
+    # lmsys's config and checks import Hydra and torch: only for lmsys.train launches.
     from lmsys.core.config import compose
-    from lmsys.core.runtime import batch_plan, resume_batch_plan
-    from lmsys.engine import checkpoint as ckpt
+    from lmsys.training.preflight import preflight
 
-    cfg = compose(overrides)
-    try:
-        batch_plan(cfg, world_size)
-    except ConfigError:
-        t = cfg.trainer
-        target = t.run_dir if t.resume == "auto" else None if t.resume == "never" else t.resume
-        try:
-            found = ckpt.resolve(target, check_hashes=False) if target and Path(target).is_dir() else None
-        except LmsysError:  # nothing to resume there: the plain batch error stands
-            found = None
-        if found is None:
-            raise
-        resume_batch_plan(cfg, world_size, found.step)
+    preflight(compose(overrides), world_size)
 
 
 def run_torchrun(plan: Plan, overrides: list[str]) -> int:

@@ -91,9 +91,10 @@ def _job_label(job: Sequence[str], jobs: Sequence[Sequence[str]]) -> str:
 def check_jobs(jobs: Sequence[Sequence[str]], world_size: int | None = None, remote: bool = False) -> None:
     """Everything about each job of a sweep that can be checked before the first one starts, so a
     mistake is one ConfigError naming the first bad job instead of N failed jobs: its config
-    composes (keys, values); with `world_size`, its batch arithmetic divides for that many ranks;
-    its model fits its prepared data (vocabulary). `remote`: the jobs run on other machines
-    (SLURM), so a data directory missing here is left for the job to find."""
+    composes (keys, values), then the trainer's preflight (lmsys.training.preflight: with
+    `world_size`, the batch arithmetic for that many ranks; the prepared data against the model
+    and data.seq_len). `remote`: the jobs run on other machines (SLURM), so a data directory
+    missing here is left for the job to find."""
 
     def bad(number: int, exc: Exception) -> ConfigError:
         return ConfigError(f"sweep job {number} ({_job_label(jobs[number], jobs)}): {exc}")
@@ -104,27 +105,15 @@ def check_jobs(jobs: Sequence[Sequence[str]], world_size: int | None = None, rem
             configs.append(compose([o for o in job if not is_hydra_override(o)]))
         except ConfigError as exc:
             raise bad(number, exc) from exc
-    # Imported only now, once every config composed: they import torch (seconds), and a
+    # Imported only now, once every config composed: it imports torch (seconds), and a
     # misspelled key should be reported at once.
-    from lmsys.core.runtime import batch_plan
-    from lmsys.data.shards import PreparedData
+    from lmsys.training.preflight import preflight
 
-    if world_size is not None:  # every job's batch before any data: it needs no files
-        for number, cfg in enumerate(configs):
-            try:
-                batch_plan(cfg, world_size)
-            except ConfigError as exc:
-                raise bad(number, exc) from exc
-    data: dict[str, PreparedData | None] = {}
+    opened: dict[str, Any] = {}  # each data directory is opened once
     for number, cfg in enumerate(configs):
         try:
-            if cfg.data.dir not in data:
-                here = not remote or Path(cfg.data.dir).exists()
-                data[cfg.data.dir] = PreparedData(cfg.data.dir) if here else None
-            prepared = data[cfg.data.dir]
-            if prepared is not None:
-                prepared.check_model(cfg.model)
-        except DataError as exc:
+            preflight(cfg, world_size, data="if_present" if remote else "required", opened=opened)
+        except (ConfigError, DataError) as exc:
             raise bad(number, exc) from exc
 
 

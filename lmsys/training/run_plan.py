@@ -1,6 +1,7 @@
-"""What a training launch works on, settled before the engine exists: the prepared data, the
-device and process group, the run directory and the checkpoint it continues (rank 0 decides,
-every rank receives the same plan or the same error), and the learning-rate schedule's horizon.
+"""What a training launch works on, settled before the engine exists (after its preflight,
+lmsys/training/preflight.py): the device and process group, the run directory and the
+checkpoint it continues (rank 0 decides, every rank receives the same plan or the same error),
+and the learning-rate schedule's horizon.
 """
 
 from __future__ import annotations
@@ -13,11 +14,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lmsys.core.config import Config, config_to_dict, tokens_per_sample
+from lmsys.core.config import Config, config_to_dict
 from lmsys.core.console import Console
 from lmsys.core.errors import ConfigError, LmsysError
 from lmsys.core.runtime import env_dist_info, resolve_device, resolve_precision, resume_batch_plan
-from lmsys.data.shards import PreparedData
 from lmsys.engine import checkpoint as ckpt
 from lmsys.engine import rundir
 from lmsys.engine import zero as eng
@@ -26,14 +26,6 @@ from lmsys.model.ops import prepare_kernels
 
 def elastic_ids() -> tuple[str | None, int]:
     return os.environ.get("TORCHELASTIC_RUN_ID"), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def open_data(cfg: Config) -> PreparedData:
-    """The prepared data, refused (DataError) when it does not fit the model or the sequence length."""
-    data = PreparedData(cfg.data.dir)
-    data.check_model(cfg.model)
-    data.check_sequences(tokens_per_sample(cfg.model, cfg.data.seq_len))
-    return data
 
 
 def start_processes(cfg: Config) -> tuple[torch.device, str]:

@@ -35,7 +35,7 @@ from omegaconf import OmegaConf
 from lmsys.core.config import Config, config_to_dict
 from lmsys.core.console import Console, StepReport
 from lmsys.core.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, Stopped, TrainingError
-from lmsys.core.runtime import Setup, batch_plan, seed_everything
+from lmsys.core.runtime import Setup, batch_plan, env_dist_info, seed_everything
 from lmsys.data.loader import Batch, TokenLoader
 from lmsys.data.shards import PreparedData
 from lmsys.engine import checkpoint as ckpt
@@ -46,11 +46,11 @@ from lmsys.model.compiling import compile_errors, compile_stats, compile_summary
 from lmsys.model.transformer import Transformer, next_token_pairs
 from lmsys.training.metrics import MetricsLogger, device_name, device_peak_flops, memory_gb, mfu
 from lmsys.training.plots import plot_losses
+from lmsys.training.preflight import preflight
 from lmsys.training.run_plan import (
     RunPlan,
     agree_on_run,
     elastic_ids,
-    open_data,
     schedule_horizon,
     start_processes,
 )
@@ -544,7 +544,9 @@ def train(cfg: Config, step_hook: Callable[[int], None] | None = None) -> Path:
     stop = StopRequest()  # from now on SIGTERM / SIGUSR1 stop the run after a step, with a checkpoint
     stop.install()
     try:
-        data = open_data(cfg)  # every mistake in the data is reported before the process group forms
+        # every mistake in the batch or the data is reported before the process group forms
+        data = preflight(cfg, env_dist_info().world_size).data
+        assert data is not None
         rank = int(os.environ.get("RANK", "0"))  # torchrun's; the process group forms below
         console = Console(PROG, rank, cfg.trainer.progress, cfg.logger.console_interval)
         console.say(
