@@ -1,4 +1,5 @@
-"""What a training run shows the person who started it: one object, rank 0 only.
+"""What a command or a training run shows the person who started it: one-line errors and warnings,
+and a run's `Console` (rank 0 only).
 
 Lines go to stdout, warnings to stderr as `<prog>: warning: ...`, and while the progress bar is up
 both go through it, so they print above the bar instead of tearing it. The other ranks of a job
@@ -51,7 +52,8 @@ def warn(prog: str, message: str) -> None:
 
 @dataclass(frozen=True)
 class StepReport:
-    """What the console shows of one finished optimizer step."""
+    """One finished optimizer step, as every sink sees it: the console formats it and
+    `metrics()` is its metrics.jsonl record (lmsys/training/reporter.py)."""
 
     step: int
     max_steps: int
@@ -62,11 +64,32 @@ class StepReport:
     mfu: float | None  # fraction of the devices' peak; None on CPU (no known peak)
     elapsed_s: float  # since this launch's first step began
     steps_done: int  # steps of this launch, this one included
+    step_time_s: float = 0.0  # this step alone
+    memory_gb: float = 0.0  # peak memory of this process so far (lmsys.training.metrics.memory_gb)
+    tokens: int = 0  # tokens trained on so far, this step included
+    skipped: bool = False  # the update was skipped (a non-finite loss, a gradient overflow)
 
     @property
     def eta_s(self) -> float:
         """The remaining steps at this launch's mean pace so far."""
         return self.elapsed_s / max(self.steps_done, 1) * (self.max_steps - self.step)
+
+    def metrics(self) -> dict[str, float | int | bool | None]:
+        """The step's metrics.jsonl fields (and W&B's, as train/<name>)."""
+        return {
+            "loss": self.loss,
+            "lr": self.lr,
+            "grad_norm": self.grad_norm,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "step_time_s": self.step_time_s,
+            # wall time since this launch's first step began, logging of earlier steps included:
+            # differences give the loop's true per-step cost (lmsys.bench train)
+            "elapsed_s": self.elapsed_s,
+            "memory_gb": self.memory_gb,
+            "tokens": self.tokens,
+            "skipped": self.skipped,
+        }
 
     def fields(self) -> list[str]:
         """`lr 3.00e-04`, `grad norm 0.91`, ... (the loss is the caller's: train or val)."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -44,9 +43,10 @@ from lmsys.engine import zero as eng
 from lmsys.interop.exports import initial_model
 from lmsys.model.compiling import compile_errors, compile_stats, compile_summary, say_compiled
 from lmsys.model.transformer import Transformer, next_token_pairs
+from lmsys.training.faults import Faults
 from lmsys.training.metrics import MetricsLogger, device_name, device_peak_flops, memory_gb, mfu
-from lmsys.training.plots import plot_losses
 from lmsys.training.preflight import preflight
+from lmsys.training.reporter import Reporter
 from lmsys.training.run_plan import (
     RunPlan,
     agree_on_run,
@@ -79,6 +79,8 @@ class Trainer:
         t, plan = cfg.trainer, setup.plan
         cfg = replace(cfg, optim=replace(cfg.optim, decay_steps=schedule_horizon(cfg, run.resume)))
         self.cfg, self.setup, self.run_dir, self.console = cfg, setup, run.run_dir, console
+        self.report = Reporter(console, cfg.logger.log_interval)
+        self.faults = Faults.of(t, setup.rank, setup.world_size, restarts=elastic_ids()[1])
         seed_everything(t.seed)  # identical initialisation on every rank
         model = self._first_model(data, run)
         self.n_params = model.num_parameters()
@@ -123,17 +125,16 @@ class Trainer:
         self.last_val: float | None = None
         self.saved_step = self.start_step if run.resume is not None else -1
         self.stats_written = False
-        self.logger: MetricsLogger | None = None
 
     def _first_model(self, data: PreparedData, run: RunPlan) -> Transformer:
         """A new model, or with model.init_from the export's weights (unless the run resumes:
         then the checkpoint's weights win), before the engine wraps it."""
         init_from = self.cfg.model.init_from
         if init_from and run.resume is None:
-            self.console.note(f"starting from the weights of model.init_from={init_from}")
+            self.report.note(f"starting from the weights of model.init_from={init_from}")
             return initial_model(init_from, self.cfg.model, data.tokenizer_sha256)
         if init_from:
-            self.console.note(f"resuming {run.resume.tag_dir}: model.init_from={init_from} is ignored")
+            self.report.note(f"resuming {run.resume.tag_dir}: model.init_from={init_from} is ignored")
         return Transformer(self.cfg.model)
 
     def _resume(self, found: ckpt.Checkpoint) -> None:
@@ -157,7 +158,7 @@ class Trainer:
                 f"; resharded from ZeRO-{saved.zero_stage} on {saved.world_size} rank(s), {saved.precision}, "
                 f"to ZeRO-{stage} on {setup.world_size}, {setup.precision}"
             )
-        self.console.note(f"resumed from {found.tag_dir} (step {saved.step}{how})")
+        self.report.note(f"resumed from {found.tag_dir} (step {saved.step}{how})")
         self._say_extension(saved)
 
     def _say_extension(self, saved: ckpt.TrainState) -> None:
@@ -167,7 +168,7 @@ class Trainer:
         if now <= saved.step or now == before:
             return
         if now < before:
-            self.console.note(f"trainer.max_steps lowered from {before} to {now}")
+            self.report.note(f"trainer.max_steps lowered from {before} to {now}")
             return
         if horizon >= now:
             plan = f"its cosine ends at step {horizon} (optim.decay_steps)"
@@ -177,7 +178,7 @@ class Trainer:
                 f"the learning rate keeps its schedule: cosine to step {horizon}, then {floor:.2e} to "
                 f"the end (optim.decay_steps={now} stretches the cosine over all {now} steps)"
             )
-        self.console.note(f"trainer.max_steps extended from {before} to {now}; {plan}")
+        self.report.note(f"trainer.max_steps extended from {before} to {now}; {plan}")
 
     def open_run_dir(self) -> None:
         """Only now, with the checkpoint and loader state accepted, does the run directory change
@@ -196,20 +197,22 @@ class Trainer:
             }
             for path in self.damaged:  # found by the resume; kept for inspection, out of every listing
                 moved = ckpt.move_aside(path)
-                self.console.warn(f"moved the damaged checkpoint {path.name} to {moved}")
+                self.report.warn(f"moved the damaged checkpoint {path.name} to {moved}")
             config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
             rundir.record_launch(self.run_dir, config_yaml, launch, run_id)
             rundir.write_json(self.run_dir, rundir.DEEPSPEED_FILE, self.ds_json)
-            self.logger = MetricsLogger(
-                self.run_dir,
-                cfg.logger,
-                self.state.config,
-                self.run_dir.name,
-                self.state.wandb_id,
-                self.start_step,
-                self.console.warn,
+            self.report.open(
+                lambda warn: MetricsLogger(
+                    self.run_dir,
+                    cfg.logger,
+                    self.state.config,
+                    self.run_dir.name,
+                    self.state.wandb_id,
+                    self.start_step,
+                    warn,
+                )
             )
-            self.state.wandb_id = self.logger.wandb_id
+            self.state.wandb_id = self.report.wandb_id
         dist.barrier()
         self._banner()
 
@@ -234,8 +237,8 @@ class Trainer:
             + f"\n{prog}: validation every {cfg.trainer.eval_interval} steps on {self.val_coverage()}"
             + ("" if cfg.trainer.eval_batches == 0 else " (trainer.eval_batches=0: the whole split)")
         )
-        if self.logger is not None:
-            self.console.note(f"{self.logger.wandb_line()}")
+        if self.report.wandb_line():
+            self.report.note(self.report.wandb_line())
 
     def _steps_planned(self) -> str:
         first, last = self.start_step + 1, self.cfg.trainer.max_steps
@@ -268,8 +271,7 @@ class Trainer:
         loss). Returns the step's global weighted mean loss."""
         start = time.perf_counter()
         engine, plan, device = self.engine, self.setup.plan, self.setup.device
-        if step == self.cfg.trainer.debug_signal_at_step and self.setup.rank == self.setup.world_size - 1:
-            os.kill(os.getpid(), signal.SIGTERM)  # fault injection: a preemption that reaches one rank
+        self.faults.before_step(step)
         lr = eng.lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
         eng.set_lr(engine, lr)
         loader_step = self.loader.step
@@ -282,8 +284,7 @@ class Trainer:
             loss = engine(
                 batch.tokens.to(device, non_blocking=True), batch.weights.to(device, non_blocking=True)
             )
-            if i == 0 and step in self.cfg.trainer.debug_nan_steps:
-                loss = loss * float("nan")  # fault injection
+            loss = self.faults.poison_loss(step, i, loss)
             totals[0] += loss.detach().double() * weights[i]
             # DeepSpeed averages the micro-batch gradients of all ranks: scaling each by its share
             # of the step's weights times their count makes that average the weighted mean's.
@@ -310,12 +311,12 @@ class Trainer:
         finite = math.isfinite(result.loss)
         if not finite:
             state.nan_skips += 1
-            self.console.warn(
+            self.report.warn(
                 f"step {result.step}: loss is {result.loss}; skipped the update "
                 f"({state.nan_skips} of trainer.max_nan_skips={t.max_nan_skips})"
             )
         elif not result.outcome.applied:
-            self.console.warn(f"step {result.step}: gradient overflow; the update was skipped")
+            self.report.warn(f"step {result.step}: gradient overflow; the update was skipped")
         else:
             state.last_loss = result.loss
             self.first_loss = result.loss if self.first_loss is None else self.first_loss
@@ -324,34 +325,7 @@ class Trainer:
         if self.engine_info.compiled and result.step == self.start_step + 1:
             say_compiled(self.console, compile_stats(self.compile_start), "training", result.seconds)
         tokens_per_s = plan.tokens_per_step / result.seconds
-        utilisation = mfu(self.flops_per_token, tokens_per_s, self.peak_flops, plan.world_size)
-        if self.logger is not None:
-            values = {
-                "loss": result.loss,
-                "lr": result.lr,
-                "grad_norm": result.outcome.grad_norm,
-                "tokens_per_s": tokens_per_s,
-                "mfu": utilisation,
-                "step_time_s": result.seconds,
-                # wall time since this launch's first step began, logging of earlier steps
-                # included: differences give the loop's true per-step cost (lmsys.bench train)
-                "elapsed_s": elapsed_s,
-                "memory_gb": memory_gb(self.setup.device),
-                "tokens": state.tokens_seen,
-                "skipped": not result.outcome.applied,
-            }
-            wandb_due = result.step % self.cfg.logger.log_interval == 0 or result.step in (
-                self.start_step + 1,
-                t.max_steps,
-            )
-            self.logger.log("train", result.step, values, to_wandb=wandb_due)
-        if state.nan_skips > t.max_nan_skips:
-            raise TrainingError(
-                f"loss was NaN/inf at {state.nan_skips} steps, more than trainer.max_nan_skips="
-                f"{t.max_nan_skips}; stopping at step {result.step} (lower optim.lr or raise "
-                f"optim.warmup_steps; checkpoints in {self.run_dir / rundir.CHECKPOINTS})"
-            )
-        self.console.step_done(
+        self.report.step_done(
             StepReport(
                 step=result.step,
                 max_steps=t.max_steps,
@@ -359,11 +333,21 @@ class Trainer:
                 lr=result.lr,
                 grad_norm=result.outcome.grad_norm,
                 tokens_per_s=tokens_per_s,
-                mfu=utilisation,
+                mfu=mfu(self.flops_per_token, tokens_per_s, self.peak_flops, plan.world_size),
                 elapsed_s=elapsed_s,
                 steps_done=result.step - self.start_step,
+                step_time_s=result.seconds,
+                memory_gb=memory_gb(self.setup.device),
+                tokens=state.tokens_seen,
+                skipped=not result.outcome.applied,
             )
         )
+        if state.nan_skips > t.max_nan_skips:
+            raise TrainingError(
+                f"loss was NaN/inf at {state.nan_skips} steps, more than trainer.max_nan_skips="
+                f"{t.max_nan_skips}; stopping at step {result.step} (lower optim.lr or raise "
+                f"optim.warmup_steps; checkpoints in {self.run_dir / rundir.CHECKPOINTS})"
+            )
 
     def _write_engine_stats(self) -> None:
         """What each rank holds (after the first applied step: Adam's state exists from then on)."""
@@ -398,12 +382,10 @@ class Trainer:
 
     def evaluate_and_log(self, step: int, train_loss: float) -> None:
         self.last_val = self.evaluate()
-        if self.logger is not None:
-            self.logger.log("eval", step, {"loss": self.last_val, "ppl": math.exp(min(self.last_val, 80.0))})
-        self.console.eval_done(step, train_loss, self.last_val, self.val_coverage())
+        self.report.eval_done(step, train_loss, self.last_val, self.val_coverage())
 
     def save(self, announce: bool = True) -> Path:
-        t = self.cfg.trainer
+        """A checkpoint of the step just finished (lmsys/engine/checkpoint.py); every rank calls it."""
         rank_state = {"loader": self.loader.state_dict(), "rng": ckpt.rng_state()}
         start = time.perf_counter()
         saved = ckpt.save(
@@ -412,28 +394,13 @@ class Trainer:
             self.state,
             rank_state,
             self.setup.rank,
-            t.keep_last,
-            warn=self.console.warn,
-            pause_s=t.debug_save_delay_s,
+            self.cfg.trainer.keep_last,
+            warn=self.report.warn,
+            pause_s=self.faults.save_pause_s,
         )
         self.saved_step = self.state.step
-        if announce:
-            self.console.note(f"saved checkpoint {saved} ({time.perf_counter() - start:.1f} s)")
+        self.report.checkpoint_saved(self.state.step, saved, time.perf_counter() - start, announce)
         return saved
-
-    def _debug_faults(self, step: int) -> None:
-        """trainer.debug_*: slow every step down, or make the last rank die (first attempt only)."""
-        t = self.cfg.trainer
-        if t.debug_step_delay_s > 0:
-            time.sleep(t.debug_step_delay_s)
-        _, restarts = elastic_ids()
-        if t.debug_crash_at_step == step and self.setup.rank == self.setup.world_size - 1 and restarts == 0:
-            print(
-                f"{self.console.prog}: debug: rank {self.setup.rank} exits at step {step} "
-                "(trainer.debug_crash_at_step)",
-                flush=True,
-            )
-            os._exit(13)
 
     # -- the run ---------------------------------------------------------------------------------
 
@@ -446,16 +413,12 @@ class Trainer:
         t = self.cfg.trainer
         started = time.perf_counter()
         self.engine.train()
-        stop: str | None = None
         self.stop.armed = True
+        stop: str | None = None
         try:
-            with self.console.progress(total=t.max_steps, initial=self.start_step):
+            with self.report.steps(self.start_step + 1, t.max_steps):
                 for step in range(self.start_step + 1, t.max_steps + 1):
-                    if step == self.start_step + 1 and self.engine_info.compile_strict:
-                        with compile_errors("trainer.compile", "trainer.compile=false trains eager"):
-                            result = self.train_step(step)
-                    else:
-                        result = self.train_step(step)
+                    result = self._first_step(step) if step == self.start_step + 1 else self.train_step(step)
                     self.record(result, time.perf_counter() - started)
                     if step % t.eval_interval == 0 or step == t.max_steps:
                         self.evaluate_and_log(step, result.loss)
@@ -466,17 +429,22 @@ class Trainer:
                         break
                     if step_hook is not None:
                         step_hook(step)
-                    self._debug_faults(step)
+                    self.faults.after_step(step, self.report.prog)
             if stop is not None:
-                self._stop(stop)
+                self._stop(stop)  # saves the step (with the bar down) and raises Stopped
             if self.saved_step != t.max_steps and self.start_step < t.max_steps:
                 self.save()
         except BaseException as exc:
-            if self.logger is not None:
-                self.logger.close(exit_code=exc.exit_code if isinstance(exc, Stopped) else 1)
-                self.logger = None
+            self.report.close(exit_code=exc.exit_code if isinstance(exc, Stopped) else 1)
             raise
         self._finish(time.perf_counter() - started)
+
+    def _first_step(self, step: int) -> StepResult:
+        """The launch's first step: under trainer.compile=true a compile failure is one error line."""
+        if not self.engine_info.compile_strict:
+            return self.train_step(step)
+        with compile_errors("trainer.compile", "trainer.compile=false trains eager"):
+            return self.train_step(step)
 
     def _stop(self, why: str) -> None:
         """Save the step every rank has just finished (unless its periodic save did), say so in
@@ -487,7 +455,7 @@ class Trainer:
         else:
             head, code = f"preempted ({self.stop.name() or 'a signal to another rank'})", EXIT_REQUEUE
             then = f"exit {EXIT_REQUEUE}: requeue, or run again with trainer.resume=auto, to continue"
-        self.console.status(f"{self.console.prog}: {head}: saving step {step} ...", end="")
+        self.console.status(f"{self.report.prog}: {head}: saving step {step} ...", end="")
         try:
             path = self.run_dir / rundir.CHECKPOINTS / ckpt.tag_for(step)
             if self.saved_step != step:
@@ -496,44 +464,35 @@ class Trainer:
             self.console.status(" not saved")
             raise
         self.console.status(f" saved {path}; {then}")
-        if self.logger is not None:
-            self.logger.close(exit_code=code)
-            self.logger = None
-            plot_losses(self.run_dir)
+        self.report.close(exit_code=code, run_dir=self.run_dir)
         dist.barrier()  # leave together: a launcher stops the other ranks when the first one exits
         raise Stopped(f"stopped after step {step}", code)
 
     def _finish(self, elapsed: float) -> None:
         t = self.cfg.trainer
-        wandb_line = self.logger.wandb_line() if self.logger is not None else ""
-        if self.logger is not None:
-            self.logger.summary(
-                {
-                    "final/loss": self.state.last_loss,
-                    "final/val_loss": self.last_val,
-                    "final/steps": t.max_steps,
-                }
-            )
-            self.logger.close()
-            plot_losses(self.run_dir)
+        wandb_line = self.report.wandb_line()
+        self.report.summary(
+            {"final/loss": self.state.last_loss, "final/val_loss": self.last_val, "final/steps": t.max_steps}
+        )
+        self.report.close(run_dir=self.run_dir)
         if self.start_step >= t.max_steps:
-            self.console.note(f"nothing to do: the checkpoint is already at trainer.max_steps={t.max_steps}")
+            self.report.note(f"nothing to do: the checkpoint is already at trainer.max_steps={t.max_steps}")
         else:
             first = f"{self.first_loss:.4f}" if self.first_loss is not None else "n/a"
             last = f"{self.state.last_loss:.4f}" if self.first_loss is not None else "n/a"
             val = ""
             if self.last_val is not None:
                 val = f", val loss {self.last_val:.4f} (ppl {math.exp(min(self.last_val, 80.0)):.1f})"
-            self.console.note(
+            self.report.note(
                 f"done: steps {self.start_step + 1}..{t.max_steps} in {elapsed:.1f} s, "
                 f"loss {first} -> {last}{val}"
             )
         if self.engine_info.compiled:
             graphs = "the training step; evaluation, without gradients, has its own"
-            self.console.note(f"{compile_summary(compile_stats(self.compile_start), graphs)}")
-        self.console.note(f"run directory: {self.run_dir.resolve()}")
+            self.report.note(compile_summary(compile_stats(self.compile_start), graphs))
+        self.report.note(f"run directory: {self.run_dir.resolve()}")
         if wandb_line:
-            self.console.note(f"{wandb_line}")
+            self.report.note(wandb_line)
         dist.barrier()
 
 
