@@ -5,8 +5,16 @@ Public, differentiable entry points, each in its module:
     kernels.layer_norm.layer_norm(x, weight=None, bias=None, eps=1e-5, formula="sqrt_var_eps")
     kernels.layer_norm.add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5, formula=...)
     kernels.linear_cross_entropy.linear_cross_entropy(h, weight, targets, weights=None, bias=None, chunk=None)
-and their torch definitions in kernels.reference (torch only: importing it never imports triton),
+Each checks its inputs and calls its kernel's torch custom op, registered beside the kernel in the
+same module (`torch.ops.lmsys.flash_attention_fwd`, `layer_norm_fwd`, `add_layer_norm_fwd`,
+`linear_cross_entropy_fwd`, with their backward ops and autograd): the one differentiable path,
+which torch.compile traces without a graph break. Importing a kernel module registers its ops.
+Their torch definitions are in kernels.reference (torch only: importing it never imports triton),
 which also holds the chunked torch path of the loss, `chunked_linear_cross_entropy`.
+
+The tools are packages of their own that no module above imports: `python -m kernels.bench`
+(benchmarks, kernels/bench/) and `python -m kernels.inspect` (compilation for sm_80 / sm_90
+without a GPU, kernels/inspect/).
 
 Importing this package imports nothing: triton is imported with the first kernel module, so that
 a program can still choose how Triton runs (its CPU interpreter, TRITON_INTERPRET=1) until then.

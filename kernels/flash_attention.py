@@ -9,9 +9,11 @@ kernel to the next power of two and masked); T is any length >= 1; inputs may be
 use IEEE fp32 dot products, not TF32, so fp32 results match the fp32 reference.
 
 Layering, as in the other kernel files: private `@triton.jit` kernels -> host launchers
-`flash_attention_forward` / `flash_attention_backward` -> `FlashAttentionFunction` ->
-`flash_attention`. `attention_reference` (kernels/reference.py) is the readable torch
-definition the kernels are tested against.
+`flash_attention_forward` / `flash_attention_backward` -> the custom op beside them
+(`lmsys::flash_attention_fwd` / `_bwd`, their fakes, `register_autograd`) -> `flash_attention`,
+which checks the inputs and calls the op: the one path for callers and tests alike.
+`attention_reference` (kernels/reference.py) is the readable torch definition the kernels are
+tested against.
 
 The launchers first build `KernelLaunch` records (`forward_launch`, `backward_launches`), then
 run them; `python -m kernels.inspect` compiles the same records for sm_80 / sm_90 without a GPU.
@@ -1293,28 +1295,62 @@ def flash_attention_backward(
     return dq, dk, dv
 
 
-class FlashAttentionFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx,
-        q: torch.Tensor,  # (B, H, T, d_qk)
-        k: torch.Tensor,  # (B, H, T, d_qk)
-        v: torch.Tensor,  # (B, H, T, d_vo)
-        causal: bool,
-        scale: float | None,
-    ) -> torch.Tensor:
-        o, lse = flash_attention_forward(q, k, v, causal, scale)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal = causal
-        ctx.scale = scale
-        return o  # (B, H, T, d_vo)
+# ---------------------------------------------------------------------------------------------
+# The custom op and the public function
+# ---------------------------------------------------------------------------------------------
+# `lmsys::flash_attention_fwd` returns the log-sum-exp beside the output, for the backward;
+# `register_autograd` saves both, and the backward launches `lmsys::flash_attention_bwd`. The
+# fakes give shapes, dtypes and strides only, so torch.compile traces the op without running it.
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, do: torch.Tensor):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = flash_attention_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None
+
+@torch.library.custom_op("lmsys::flash_attention_fwd", mutates_args=())
+def flash_attention_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o (B, H, T, d_vo), lse (B, H, T) fp32): `flash_attention_forward` as an op."""
+    return flash_attention_forward(q, k, v, causal, scale)
+
+
+@flash_attention_fwd.register_fake
+def _(q, k, v, causal, scale):
+    b, h, t, _ = q.shape
+    return q.new_empty((b, h, t, v.shape[3])), q.new_empty((b, h, t), dtype=torch.float32)
+
+
+@torch.library.custom_op("lmsys::flash_attention_bwd", mutates_args=())
+def flash_attention_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv): `flash_attention_backward` as an op."""
+    return flash_attention_backward(do, q, k, v, o, lse, causal, scale)
+
+
+@flash_attention_bwd.register_fake
+def _(do, q, k, v, o, lse, causal, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as launched
+
+
+def _attention_setup(ctx, inputs, output) -> None:
+    q, k, v, causal, scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.causal, ctx.scale = causal, scale
+
+
+def _attention_backward(ctx, do: torch.Tensor, _dlse: torch.Tensor | None):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = flash_attention_bwd(do.contiguous(), q, k, v, o, lse, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+flash_attention_fwd.register_autograd(_attention_backward, setup_context=_attention_setup)
 
 
 def flash_attention(
@@ -1326,6 +1362,9 @@ def flash_attention(
 ) -> torch.Tensor:
     """Scaled dot-product attention, softmax(scale * q k^T [causal mask]) v -> (B, H, T, d_vo).
 
-    scale=None means 1/sqrt(d_qk). Causal: key j is visible to query i iff j <= i.
+    scale=None means 1/sqrt(d_qk). Causal: key j is visible to query i iff j <= i. Runs the
+    custom op `lmsys::flash_attention_fwd` (differentiable; torch.compile traces it).
     """
-    return FlashAttentionFunction.apply(q, k, v, causal, scale)
+    _check_inputs(q, k, v)
+    sm_scale = _softmax_scale(scale, q.shape[3])
+    return flash_attention_fwd(q, k, v, bool(causal), sm_scale)[0]

@@ -20,7 +20,9 @@ way the output is meaningless; use an eps formula when constant rows can occur.
 
 Files follow the kernel pattern of docs/DESIGN.md: `_layer_norm_fwd_kernel` / `_layer_norm_bwd_kernel`
 (private, @triton.jit) -> host launchers `layer_norm_forward` / `layer_norm_backward` ->
-`LayerNormFunction` / `AddLayerNormFunction` -> `layer_norm` / `add_layer_norm`. The plain torch
+the custom ops beside them (`lmsys::layer_norm_fwd`, `lmsys::add_layer_norm_fwd`, and
+`lmsys::layer_norm_bwd` for both; fakes, `register_autograd`) -> `layer_norm` / `add_layer_norm`,
+which check the inputs and call the ops: the one path for callers and tests alike. The plain torch
 references `layer_norm_reference` / `add_layer_norm_reference` are in kernels/reference.py.
 
 Statistics are always fp32; inputs may be fp32, fp16 or bf16 and outputs come back in the
@@ -51,8 +53,9 @@ __all__ = [
     "MAX_N",
     "layer_norm",
     "add_layer_norm",
-    "LayerNormFunction",
-    "AddLayerNormFunction",
+    "layer_norm_fwd",
+    "add_layer_norm_fwd",
+    "layer_norm_bwd",
     "layer_norm_forward",
     "layer_norm_backward",
     "layer_norm_reference",
@@ -736,65 +739,132 @@ def layer_norm_backward(
 
 
 # ---------------------------------------------------------------------------------------------
-# Autograd and the public functions
+# The custom ops and the public functions
 # ---------------------------------------------------------------------------------------------
+# The forward ops return the fp32 row statistics beside their outputs, for the backward;
+# `register_autograd` saves them, and the backward launches `lmsys::layer_norm_bwd` (both ops'
+# backward: the fused one passes the gradient of `summed`). A custom op cannot return None: an
+# absent dweight / dbias comes back from the backward op as an empty tensor, and is None again
+# before autograd sees it.
+
+_EMPTY = (0,)  # the shape that stands for "no gradient" (no weight, no bias)
 
 
-class LayerNormFunction(torch.autograd.Function):
-    """y = LN(x) * weight + bias, differentiable in x, weight and bias."""
-
-    @staticmethod
-    def forward(
-        ctx,
-        x: torch.Tensor,
-        weight: torch.Tensor | None,
-        bias: torch.Tensor | None,
-        eps: float,
-        formula: str,
-    ) -> torch.Tensor:
-        y, _, mean, rstd = layer_norm_forward(x, weight, bias, eps, formula)
-        ctx.save_for_backward(x, weight, bias, mean, rstd)
-        ctx.eps, ctx.formula = eps, formula
-        return y
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        x, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, dweight, dbias = layer_norm_backward(dy, x, mean, rstd, weight, bias, ctx.eps, ctx.formula)
-        return dx, dweight, dbias, None, None
+def _stats_like(x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1] if x.dim() else 1
+    return x.new_empty((rows,), dtype=torch.float32)
 
 
-class AddLayerNormFunction(torch.autograd.Function):
-    """(normed, summed) = (LN(x + residual) * weight + bias, x + residual), both differentiable."""
+@torch.library.custom_op("lmsys::layer_norm_fwd", mutates_args=())
+def layer_norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, formula: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y like x, mean (M,) fp32, rstd (M,) fp32): `layer_norm_forward` as an op."""
+    y, _, mean, rstd = layer_norm_forward(x, weight, bias, eps, formula)
+    return y, mean, rstd
 
-    @staticmethod
-    def forward(
-        ctx,
-        x: torch.Tensor,
-        residual: torch.Tensor,
-        weight: torch.Tensor | None,
-        bias: torch.Tensor | None,
-        eps: float,
-        formula: str,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            raise TypeError("residual must be a torch.Tensor, got NoneType")
-        normed, summed, mean, rstd = layer_norm_forward(x, weight, bias, eps, formula, residual=residual)
-        ctx.save_for_backward(summed, weight, bias, mean, rstd)
-        ctx.eps, ctx.formula = eps, formula
-        ctx.set_materialize_grads(False)  # an unused output's grad stays None: no zero tensor read
-        return normed, summed
 
-    @staticmethod
-    def backward(ctx, dnormed: torch.Tensor | None, dsummed: torch.Tensor | None):
-        summed, weight, bias, mean, rstd = ctx.saved_tensors
-        if dnormed is None:  # only `summed` was used: the add's gradient, nothing through the norm
-            return dsummed, dsummed, None, None, None, None
-        dx, dweight, dbias = layer_norm_backward(
-            dnormed, summed, mean, rstd, weight, bias, ctx.eps, ctx.formula, dsummed=dsummed
-        )
-        # x and residual get the same gradient (autograd copies before accumulating into it).
-        return dx, dx, dweight, dbias, None, None
+@layer_norm_fwd.register_fake
+def _(x, weight, bias, eps, formula):
+    return x.new_empty(x.shape), _stats_like(x), _stats_like(x)
+
+
+@torch.library.custom_op("lmsys::add_layer_norm_fwd", mutates_args=())
+def add_layer_norm_fwd(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    formula: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(normed like x, summed = x + residual, mean (M,) fp32, rstd (M,) fp32): the fused
+    `layer_norm_forward` as an op."""
+    normed, summed, mean, rstd = layer_norm_forward(x, weight, bias, eps, formula, residual=residual)
+    return normed, summed, mean, rstd
+
+
+@add_layer_norm_fwd.register_fake
+def _(x, residual, weight, bias, eps, formula):
+    return x.new_empty(x.shape), x.new_empty(x.shape), _stats_like(x), _stats_like(x)
+
+
+@torch.library.custom_op("lmsys::layer_norm_bwd", mutates_args=())
+def layer_norm_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    formula: str,
+    dsummed: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dweight, dbias): `layer_norm_backward` as an op; dweight / dbias are empty tensors
+    when there is no weight / bias."""
+    dx, dweight, dbias = layer_norm_backward(dy, x, mean, rstd, weight, bias, eps, formula, dsummed)
+    empty = x.new_empty(_EMPTY)
+    return dx, dweight if dweight is not None else empty, dbias if dbias is not None else empty.clone()
+
+
+@layer_norm_bwd.register_fake
+def _(dy, x, mean, rstd, weight, bias, eps, formula, dsummed):
+    dweight = weight.new_empty(weight.shape) if weight is not None else x.new_empty(_EMPTY)
+    dbias = bias.new_empty(bias.shape) if bias is not None else x.new_empty(_EMPTY)
+    return x.new_empty(x.shape), dweight, dbias
+
+
+def _none_if_absent(grad: torch.Tensor, param: torch.Tensor | None) -> torch.Tensor | None:
+    return None if param is None else grad
+
+
+def _layer_norm_setup(ctx, inputs, output) -> None:
+    x, weight, bias, eps, formula = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, weight, bias, mean, rstd)
+    ctx.eps, ctx.formula = eps, formula
+
+
+def _layer_norm_backward(ctx, dy: torch.Tensor, _dmean, _drstd):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dweight, dbias = layer_norm_bwd(
+        dy.contiguous(), x, mean, rstd, weight, bias, ctx.eps, ctx.formula, None
+    )
+    return dx, _none_if_absent(dweight, weight), _none_if_absent(dbias, bias), None, None
+
+
+layer_norm_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup)
+
+
+def _add_layer_norm_setup(ctx, inputs, output) -> None:
+    _, _, weight, bias, eps, formula = inputs
+    _, summed, mean, rstd = output
+    ctx.save_for_backward(summed, weight, bias, mean, rstd)
+    ctx.eps, ctx.formula = eps, formula
+    ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zero tensor read
+
+
+def _add_layer_norm_backward(ctx, dnormed, dsummed, _dmean, _drstd):
+    summed, weight, bias, mean, rstd = ctx.saved_tensors
+    if dnormed is None:  # only `summed` was used: the add's gradient, nothing through the norm
+        return dsummed, dsummed, None, None, None, None
+    dx, dweight, dbias = layer_norm_bwd(
+        dnormed.contiguous(),
+        summed,
+        mean,
+        rstd,
+        weight,
+        bias,
+        ctx.eps,
+        ctx.formula,
+        dsummed.contiguous() if dsummed is not None else None,
+    )
+    # x and residual get the same gradient (autograd copies before accumulating into it)
+    return dx, dx, _none_if_absent(dweight, weight), _none_if_absent(dbias, bias), None, None
+
+
+add_layer_norm_fwd.register_autograd(_add_layer_norm_backward, setup_context=_add_layer_norm_setup)
 
 
 def layer_norm(
@@ -808,8 +878,10 @@ def layer_norm(
 
     x: (..., N), fp32/fp16/bf16, N <= 65536; weight, bias: (N,) or None. The result has x's
     shape and dtype; statistics are fp32. "exact" ignores eps and gives NaN for constant rows.
+    Runs the custom op `lmsys::layer_norm_fwd` (differentiable in x, weight and bias).
     """
-    return LayerNormFunction.apply(x, weight, bias, eps, formula)
+    _check_inputs(x, weight, bias, eps, formula)
+    return layer_norm_fwd(x, weight, bias, float(eps), formula)[0]
 
 
 def add_layer_norm(
@@ -824,6 +896,11 @@ def add_layer_norm(
     dtype and normed = layer_norm(summed, ...), in one pass over the data.
 
     Pre-LN blocks carry `summed` as the residual stream, post-LN blocks carry `normed`; both are
-    differentiable and the grad of `summed` reaches x and residual.
+    differentiable and the grad of `summed` reaches x and residual. Runs the custom op
+    `lmsys::add_layer_norm_fwd`.
     """
-    return AddLayerNormFunction.apply(x, residual, weight, bias, eps, formula)
+    if residual is None:
+        raise TypeError("residual must be a torch.Tensor, got NoneType")
+    _check_inputs(x, weight, bias, eps, formula, residual)
+    normed, summed, _, _ = add_layer_norm_fwd(x, residual, weight, bias, float(eps), formula)
+    return normed, summed

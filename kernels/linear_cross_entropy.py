@@ -32,10 +32,11 @@ gradients (evaluation) runs the first two kernels only and stores no logits.
 Launch geometry is fixed per dtype (`TILES`), not autotuned: the fp16/bf16 tiles are proven
 spill-free and launchable on sm_80 and sm_90 by `python -m kernels.inspect`; they are not tuned
 on a GPU. Layering as in the other kernel files: kernels -> `chunk_launches` (KernelLaunch
-records the inspector compiles) -> `linear_cross_entropy_forward` / `_backward` ->
-`LinearCrossEntropyFunction` -> `linear_cross_entropy`. The torch definition
-(`linear_cross_entropy_reference`) and the chunked torch path (`chunked_linear_cross_entropy`)
-are in kernels/reference.py.
+records the inspector compiles) -> `linear_cross_entropy_forward` / `_backward` -> the custom op
+beside them (`lmsys::linear_cross_entropy_fwd`, its fake, `register_autograd`) ->
+`linear_cross_entropy`, which checks the inputs and calls the op: the one path for callers and
+tests alike. The torch definition (`linear_cross_entropy_reference`) and the chunked torch path
+(`chunked_linear_cross_entropy`) are in kernels/reference.py.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from kernels.reference import (  # noqa: F401  (the tests import the references 
 
 __all__ = [
     "linear_cross_entropy",
-    "LinearCrossEntropyFunction",
+    "linear_cross_entropy_fwd",
     "linear_cross_entropy_forward",
     "linear_cross_entropy_backward",
     "chunk_launches",
@@ -637,37 +638,66 @@ def linear_cross_entropy_backward(
 
 
 # ---------------------------------------------------------------------------------------------
-# Autograd and the public function
+# The custom op and the public function
 # ---------------------------------------------------------------------------------------------
+# `lmsys::linear_cross_entropy_fwd` returns the loss, its denominator and the fp32 gradient sums
+# the forward forms while the logits exist (an empty tensor for a sum not needed: a custom op
+# cannot return None); `register_autograd` saves them, and the backward only scales them
+# (`linear_cross_entropy_backward`, plain torch: no backward op).
+
+_EMPTY = (0,)  # the shape that stands for "not needed"
 
 
-class LinearCrossEntropyFunction(torch.autograd.Function):
-    """loss = -sum(w log softmax(h W^T + b)[t]) / sum(w), differentiable in h, weight and bias."""
+@torch.library.custom_op("lmsys::linear_cross_entropy_fwd", mutates_args=())
+def linear_cross_entropy_fwd(
+    h: torch.Tensor,  # (N, D)
+    weight: torch.Tensor,  # (V, D)
+    targets: torch.Tensor,  # (N,)
+    weights: torch.Tensor | None,  # (N,)
+    bias: torch.Tensor | None,  # (V,)
+    chunk: int,  # tokens per chunk; 0: default_chunk
+    need_h: bool,
+    need_w: bool,
+    need_b: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, S, G W, G^T h, 1^T G): `linear_cross_entropy_forward` as an op, the sums formed
+    only for the inputs that need a gradient (empty otherwise)."""
+    loss, denominator, sums = linear_cross_entropy_forward(
+        h, weight, targets, weights, bias, chunk=chunk or None, needs=(need_h, need_w, need_b)
+    )
+    empty = h.new_empty(_EMPTY, dtype=torch.float32)
+    return (loss, denominator, *(s if s is not None else empty.clone() for s in sums))
 
-    @staticmethod
-    def forward(ctx, h, weight, targets, weights, bias, chunk):
-        d = h.shape[-1]
-        wanted = ctx.needs_input_grad
-        needs = (wanted[0], wanted[1], bias is not None and wanted[4])  # gradients for (h, weight, bias)
-        loss, denominator, sums = linear_cross_entropy_forward(
-            h.reshape(-1, d),
-            weight,
-            targets.reshape(-1),
-            weights.reshape(-1) if weights is not None else None,
-            bias,
-            chunk=chunk,
-            needs=needs,
-        )
-        ctx.save_for_backward(denominator, *sums)
-        ctx.specs = lce_gradient_specs(h, weight, bias)
-        return loss
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss: torch.Tensor):
-        denominator, *sums = ctx.saved_tensors
-        dh, dweight, dbias = linear_cross_entropy_backward(grad_loss, denominator, tuple(sums), ctx.specs)
-        return dh, dweight, None, None, dbias, None
+@linear_cross_entropy_fwd.register_fake
+def _(h, weight, targets, weights, bias, chunk, need_h, need_w, need_b):
+    f32 = torch.float32
+    scalar = h.new_empty((), dtype=f32)
+    dh = h.new_empty(h.shape if need_h else _EMPTY, dtype=f32)
+    dw = h.new_empty(weight.shape if need_w else _EMPTY, dtype=f32)
+    db = h.new_empty((weight.shape[0],) if need_b and bias is not None else _EMPTY, dtype=f32)
+    return scalar, scalar.clone(), dh, dw, db
+
+
+def _lce_setup(ctx, inputs, output) -> None:
+    h, weight, _, _, bias, _, need_h, need_w, need_b = inputs
+    _, denominator, dh, dw, db = output
+    ctx.save_for_backward(denominator, dh, dw, db)
+    ctx.needs = (need_h, need_w, need_b and bias is not None)
+    ctx.specs = tuple(
+        spec if need else None
+        for spec, need in zip(lce_gradient_specs(h, weight, bias), ctx.needs, strict=True)
+    )
+
+
+def _lce_backward(ctx, grad_loss, _ds, _ddh, _ddw, _ddb):
+    denominator, *sums = ctx.saved_tensors
+    sums = tuple(s if need else None for s, need in zip(sums, ctx.needs, strict=True))
+    dh, dweight, dbias = linear_cross_entropy_backward(grad_loss, denominator, sums, ctx.specs)
+    return dh, dweight, None, None, dbias, None, None, None, None
+
+
+linear_cross_entropy_fwd.register_autograd(_lce_backward, setup_context=_lce_setup)
 
 
 def linear_cross_entropy(
@@ -679,6 +709,16 @@ def linear_cross_entropy(
     *,
     chunk: int | None = None,  # tokens per chunk; None: default_chunk (about 2^25 logits)
 ) -> torch.Tensor:  # 0-dim fp32
-    """-sum(w log softmax(h W^T + b)[t]) / sum(w) over every token, without the (N, V) logits."""
-    check_linear_cross_entropy_inputs(h, weight, targets, weights, bias, chunk, SUPPORTED_DTYPES)
-    return LinearCrossEntropyFunction.apply(h, weight, targets, weights, bias, chunk)
+    """-sum(w log softmax(h W^T + b)[t]) / sum(w) over every token, without the (N, V) logits.
+
+    Runs the custom op `lmsys::linear_cross_entropy_fwd` on the flattened tokens; the gradient
+    sums are formed in the forward only for the inputs that need a gradient."""
+    _check(h, weight, targets, weights, bias, chunk)
+    grad = torch.is_grad_enabled()
+    need_h, need_w, need_b = (grad and t is not None and t.requires_grad for t in (h, weight, bias))
+    d = h.shape[-1]
+    flat_weights = weights.reshape(-1) if weights is not None else None
+    outputs = linear_cross_entropy_fwd(
+        h.reshape(-1, d), weight, targets.reshape(-1), flat_weights, bias, chunk or 0, need_h, need_w, need_b
+    )
+    return outputs[0]

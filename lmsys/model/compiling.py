@@ -15,7 +15,8 @@ What is compiled, and why there:
   while tokens are generated: one graph for the prompts (their width and the cache's length are
   marked dynamic, `vary`) and one for the decode step; none per token.
 - lmsys-eval: the model's forward on windows padded to a full batch: one graph.
-The Triton kernels are torch custom ops (kernels/library.py), so dynamo traces through them.
+The Triton kernels are torch custom ops (registered beside each kernel in kernels/), so dynamo
+traces through them.
 
 `auto` compiles on CUDA and runs eager elsewhere (on a CPU inductor spends tens of seconds per
 graph building C++ for little gain). Under `auto` a compile failure runs that code eager instead

@@ -3,8 +3,8 @@
 `kernels` is the model's config value: "auto" runs Triton for CUDA tensors and torch elsewhere
 (the CPU default), "triton" forces the kernels (on CPU through the Triton interpreter, which is
 how CI tests the wiring), "torch" forces the references. The kernels are called through their
-torch custom ops (kernels/library.py: `torch.ops.lmsys.*`), so torch.compile traces through
-them; the kernel modules are imported lazily so a CPU-only user never pays for a Triton import.
+torch custom ops (`torch.ops.lmsys.*`, registered beside each kernel), so torch.compile traces
+through them; the kernel modules are imported lazily so a CPU-only user never pays for a Triton import.
 The loss from hidden states follows `model.loss_impl` (`linear_cross_entropy`): the fused Triton
 kernel or the chunked torch path.
 
@@ -147,7 +147,7 @@ def attention(
         return matrix_softmax_attention(q, k, v, causal=causal, scale=scale)
     same_length = q.shape[2] == k.shape[2]
     if same_length and use_triton(q, kernels):
-        from kernels.library import flash_attention  # the custom op (torch.compile traces it)
+        from kernels.flash_attention import flash_attention  # the custom op (torch.compile traces it)
 
         return flash_attention(q, k, v, causal, scale)
     if causal and q.shape[2] == 1:  # one query after its cache sees every key: no mask, fast path
@@ -219,7 +219,7 @@ def layer_norm(
     if formula == "none":
         return x
     if use_triton(x, kernels):
-        from kernels.library import layer_norm as triton_layer_norm  # the custom op: module docstring
+        from kernels.layer_norm import layer_norm as triton_layer_norm  # the custom op: module docstring
 
         return triton_layer_norm(x, weight, bias, eps, formula)
     return layer_norm_reference(x, weight, bias, eps, formula)
@@ -240,7 +240,7 @@ def add_layer_norm(
         summed = x + residual
         return summed, summed
     if use_triton(x, kernels):
-        from kernels.library import add_layer_norm as fused  # the custom op: module docstring
+        from kernels.layer_norm import add_layer_norm as fused  # the custom op: module docstring
 
         return fused(x, residual, weight, bias, eps, formula)
     return add_layer_norm_reference(x, residual, weight, bias, eps, formula)
@@ -277,7 +277,7 @@ def linear_cross_entropy(
         if not h.is_cuda:
             _prepare_interpreted_loss(h, kernels)
         # imports triton, so only when the kernel runs (the module docstring says why)
-        from kernels.library import linear_cross_entropy as fused  # its custom op (torch.compile)
+        from kernels.linear_cross_entropy import linear_cross_entropy as fused  # the custom op
 
         return fused(h, weight, targets, weights, bias)
     if impl != "chunked":

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.bench import format_targets, peak_hbm_bytes_per_s
-from kernels.bench_attention import OPS, _flops, _time_op
+from kernels.bench.attention import OPS, _flops, _time_op
+from kernels.bench.report import format_targets, peak_hbm_bytes_per_s
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,7 +42,7 @@ def test_bench_smoke_runs_and_prints_ratios(tmp_path):
         rows = list(reader)
     ops = {row["op"] for row in rows}
     assert {"layer_norm fwd", "layer_norm fwd+bwd"} <= ops, out
-    if (REPO_ROOT / "kernels" / "bench_attention.py").exists():
+    if (REPO_ROOT / "kernels" / "bench" / "attention.py").exists():
         assert {"attention fwd", "attention bwd", "attention fwd+bwd"} <= ops, out
     for row in rows:
         assert math.isfinite(float(row["ratio"])), row
@@ -163,8 +163,8 @@ def test_targets_without_rows_or_verdicts():
 
 def test_full_grids_cover_gpt2_shapes():
     """Issue #12: GPT-2's causal attention (d = 64, T = 1024) and its layer-norm widths are benched."""
-    from kernels.bench import LN_WIDTHS
-    from kernels.bench_attention import _shapes
+    from kernels.bench.attention import _shapes
+    from kernels.bench.layer_norm import LN_WIDTHS
 
     shapes = _shapes("cuda", smoke=False)  # the list only; nothing runs
     assert (16, 12, 1024, 64) in shapes and (16, 25, 1024, 64) in shapes
@@ -172,7 +172,7 @@ def test_full_grids_cover_gpt2_shapes():
 
 
 def _gpt2_lines(rows: list[dict], verdicts: bool = True) -> dict[str, str]:
-    from kernels.bench import GPT2_TARGETS
+    from kernels.bench.report import GPT2_TARGETS
 
     text = format_targets(rows, verdicts, GPT2_TARGETS, "issue #12, GPT-2 shapes")
     lines = text.splitlines()

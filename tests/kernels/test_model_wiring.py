@@ -22,11 +22,11 @@ from lmsys.model.transformer import Transformer
 from tests.conftest import DEVICE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-KERNEL_MODULES = {  # lmsys.model.ops calls the kernels through their custom ops
-    "flash_attention": "kernels.library",
-    "layer_norm": "kernels.library",
-    "add_layer_norm": "kernels.library",
-    "linear_cross_entropy": "kernels.library",
+KERNEL_MODULES = {  # lmsys.model.ops calls the kernels' public functions, each through its custom op
+    "flash_attention": "kernels.flash_attention",
+    "layer_norm": "kernels.layer_norm",
+    "add_layer_norm": "kernels.layer_norm",
+    "linear_cross_entropy": "kernels.linear_cross_entropy",
 }
 
 SMALL = ["vocab_size=37", "d_model=32", "n_heads=2", "n_layers=2", "max_seq_len=24", "ffn.d_ff=48"]

@@ -15,7 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import library
+from kernels.flash_attention import flash_attention_fwd
+from kernels.layer_norm import add_layer_norm_fwd, layer_norm_fwd
+from kernels.linear_cross_entropy import linear_cross_entropy_fwd
 from lmsys.core.config import compile_choice, compose, compose_model
 from lmsys.core.errors import ConfigError
 from lmsys.inference.generation import generate
@@ -55,20 +57,20 @@ def test_custom_ops_pass_opcheck() -> None:
 
     q, k, v = rand(1, 2, 16, 16), rand(1, 2, 16, 16), rand(1, 2, 16, 8)
     for causal in (True, False):
-        torch.library.opcheck(library.flash_attention_fwd, (q, k, v, causal, 0.25))
+        torch.library.opcheck(flash_attention_fwd, (q, k, v, causal, 0.25))
     x, residual, weight, bias = rand(3, 5, 32), rand(3, 5, 32), rand(32), rand(32)
     for formula in ("sqrt_var_eps", "std_plus_eps", "exact"):
-        torch.library.opcheck(library.layer_norm_fwd, (x, weight, bias, 1e-5, formula))
-    torch.library.opcheck(library.layer_norm_fwd, (x, None, None, 1e-5, "sqrt_var_eps"))
-    torch.library.opcheck(library.add_layer_norm_fwd, (x, residual, weight, bias, 1e-5, "sqrt_var_eps"))
+        torch.library.opcheck(layer_norm_fwd, (x, weight, bias, 1e-5, formula))
+    torch.library.opcheck(layer_norm_fwd, (x, None, None, 1e-5, "sqrt_var_eps"))
+    torch.library.opcheck(add_layer_norm_fwd, (x, residual, weight, bias, 1e-5, "sqrt_var_eps"))
     h, unembed, bias_v = rand(13, 16), rand(23, 16), rand(23)
     targets = torch.randint(0, 23, (13,), generator=gen).to(DEVICE)
     loss_weights = torch.rand(13, generator=gen).to(DEVICE)
-    for needs in ((True, True, True), (True, True, False), (False, False, False)):
-        args = (h, unembed, targets, loss_weights, bias_v, *needs)
-        torch.library.opcheck(library.linear_cross_entropy_fwd, args)
-    unweighted = (h, unembed, targets, None, None, True, True, False)
-    torch.library.opcheck(library.linear_cross_entropy_fwd, unweighted)
+    for chunk, needs in ((0, (True, True, True)), (5, (True, True, False)), (0, (False, False, False))):
+        args = (h, unembed, targets, loss_weights, bias_v, chunk, *needs)
+        torch.library.opcheck(linear_cross_entropy_fwd, args)
+    unweighted = (h, unembed, targets, None, None, 0, True, True, False)
+    torch.library.opcheck(linear_cross_entropy_fwd, unweighted)
 
 
 def _explain(fn, *args):

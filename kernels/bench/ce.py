@@ -142,7 +142,7 @@ def worker_model(variant: str, out_dir: Path) -> dict[str, float]:
 
 def _run_worker(args: list[str]) -> dict[str, float]:
     proc = subprocess.run(
-        [sys.executable, "-m", "kernels.bench_ce", "--worker", *args], capture_output=True, text=True
+        [sys.executable, "-m", "kernels.bench.ce", "--worker", *args], capture_output=True, text=True
     )
     if proc.returncode != 0:
         raise SystemExit(f"kernels.bench ce: the {args[0]} worker failed:\n{proc.stderr[-3000:]}")

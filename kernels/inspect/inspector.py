@@ -45,39 +45,26 @@ Nothing here is a timing.
 
 from __future__ import annotations
 
+import argparse
+import concurrent.futures
+import datetime
 import importlib
+import json
+import math
 import os
 import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
 
-if __name__ == "__main__" and os.environ.get("TRITON_INTERPRET", "0").lower() not in (
-    "",
-    "0",
-    "false",
-    "off",
-):
-    # Compiling for a GPU needs the real @triton.jit functions, which the interpreter replaces
-    # when TRITON_INTERPRET is set at import (`python -m` imported the package already): start
-    # again without it.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "kernels.inspect", *sys.argv[1:]], env)
+import torch
+import triton
 
-import argparse  # noqa: E402
-import concurrent.futures  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-import triton  # noqa: E402
-
-from kernels import aot, resource_tables  # noqa: E402
-from kernels.launch import KernelLaunch  # noqa: E402
+from kernels import resource_tables
+from kernels.inspect import aot
+from kernels.launch import KernelLaunch
 
 # The modules, by import_module: `kernels.flash_attention` / `kernels.layer_norm` the attributes
 # may be the public functions (see kernels/__init__.py).
@@ -704,7 +691,3 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print("OK: every kept config compiles without spills and launches")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,12 +1,13 @@
 """Attention benchmark: our FlashAttention kernels against torch SDPA, measured in the same run.
 
-    python -m kernels.bench_attention [--smoke] [--dtype bf16|fp16|fp32]
+    python -m kernels.bench.attention [--smoke] [--dtype bf16|fp16|fp32]
 
-`kernels/bench.py` calls `bench_attention` and prints the combined table. For every shape and both
-masks there are three ops, each timed for ours and for every torch `F.scaled_dot_product_attention`
-backend that runs for the shape (flash, cuDNN where this torch has it, memory-efficient, math; one
-that raises, e.g. out of memory or unsupported dtype, is skipped), one row per backend with its
-TFLOP/s and ratio = ours / that backend's throughput (> 1: ours faster):
+`python -m kernels.bench` (kernels/bench/__main__.py) calls `bench_attention` and prints the
+combined table. For every shape and both masks there are three ops, each timed for ours and for
+every torch `F.scaled_dot_product_attention` backend that runs for the shape (flash, cuDNN
+where this torch has it, memory-efficient, math; one that raises, e.g. out of memory or
+unsupported dtype, is skipped), one row per backend with its TFLOP/s and ratio = ours / that
+backend's throughput (> 1: ours faster):
 
     attention fwd       the forward alone, under no_grad
     attention bwd       the backward alone: one forward is run (untimed) and kept with
@@ -48,7 +49,7 @@ FULL_SEQ_LENS = (1024, 2048, 4096, 8192, 16384)
 TOKENS_PER_STEP = 16384  # B * T on GPU
 MODEL_WIDTH = 2048  # H * d
 # GPT-2's own attention: 12 heads of 64 (124M) and 25 heads of 64 (1558M) over its 1024-token
-# context, 16 sequences per step. Issue #12's GPU targets read these rows (kernels/bench.py).
+# context, 16 sequences per step. Issue #12's GPU targets read these rows (kernels/bench/report.py).
 GPT2_SHAPES = ((16, 12, 1024, 64), (16, 25, 1024, 64))  # (B, H, T, d)
 SMOKE_GPU = (2, 4, 256, 64)  # (B, H, T, d)
 SMOKE_CPU = (1, 2, 64, 32)
@@ -131,7 +132,7 @@ def bench_attention(device: str, dtype: torch.dtype, smoke: bool) -> list[dict]:
         if not _INTERPRET:
             raise RuntimeError(
                 "bench_attention on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 before "
-                "triton is imported (e.g. TRITON_INTERPRET=1 python -m kernels.bench_attention)"
+                "triton is imported (e.g. TRITON_INTERPRET=1 python -m kernels.bench.attention)"
             )
         dtype = torch.float32
     rows = []
@@ -251,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="python -m kernels.bench_attention", description=__doc__.splitlines()[0]
+        prog="python -m kernels.bench.attention", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--smoke", action="store_true", help="one tiny shape (always on without CUDA)")
     parser.add_argument(
@@ -261,11 +262,11 @@ def main(argv: list[str] | None = None) -> int:
 
     on_gpu = torch.cuda.is_available()
     if not on_gpu and not _INTERPRET:
-        # The interpreter must be chosen before triton is imported, and `python -m` imported the
-        # `kernels` package (and so triton) before this ran: start again with the switch set.
+        # The interpreter must be chosen before triton is imported, and this module imported
+        # kernels.flash_attention (and so triton) before this ran: start again with the switch set.
         os.environ["TRITON_INTERPRET"] = "1"
         sys.stdout.flush()
-        os.execv(sys.executable, [sys.executable, "-m", "kernels.bench_attention", *sys.argv[1:]])
+        os.execv(sys.executable, [sys.executable, "-m", "kernels.bench.attention", *sys.argv[1:]])
     device = "cuda" if on_gpu else "cpu"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
         args.dtype or ("bf16" if on_gpu else "fp32")
