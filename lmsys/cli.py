@@ -131,6 +131,8 @@ COMPILE_OPTION = Option(
 TOKENIZER_OPTION = Option(
     "tokenizer", "str", None, "tokenizer file for a checkpoint (default: found from its data.dir)"
 )
+# What every command that loads a model for inference takes (lmsys-generate, lmsys-eval).
+MODEL_LOADING_OPTIONS = [COMPILE_OPTION, DEVICE_OPTION, DTYPE_OPTION, TOKENIZER_OPTION]
 
 
 # ----------------------------------------------------------------------------- reporting

@@ -33,15 +33,7 @@ from pathlib import Path
 
 import torch
 
-from lmsys.cli import (
-    COMPILE_OPTION,
-    DEVICE_OPTION,
-    DTYPE_OPTION,
-    TOKENIZER_OPTION,
-    Option,
-    parse_options,
-    run_cli,
-)
+from lmsys.cli import MODEL_LOADING_OPTIONS, Option, parse_options, run_cli
 from lmsys.core.console import warn
 from lmsys.core.errors import LmsysError, UsageError
 from lmsys.core.runtime import resolve_device, resolve_dtype
@@ -72,10 +64,7 @@ OPTIONS = [
     Option("include_path", "str", None, "directory of lm_eval task YAML files (harness=)"),
     Option("num_fewshot", "int", None, "few-shot examples per task (harness=; default: the task's)"),
     Option("limit", "float", None, "examples per task at most, or a fraction if < 1 (harness=)"),
-    COMPILE_OPTION,
-    DEVICE_OPTION,
-    DTYPE_OPTION,
-    TOKENIZER_OPTION,
+    *MODEL_LOADING_OPTIONS,
 ]
 
 SUMMARY = (

@@ -25,15 +25,7 @@ import json
 import sys
 from pathlib import Path
 
-from lmsys.cli import (
-    COMPILE_OPTION,
-    DEVICE_OPTION,
-    DTYPE_OPTION,
-    TOKENIZER_OPTION,
-    Option,
-    parse_options,
-    run_cli,
-)
+from lmsys.cli import MODEL_LOADING_OPTIONS, Option, parse_options, run_cli
 from lmsys.core.console import warn as cli_warn
 from lmsys.core.errors import UsageError
 from lmsys.core.runtime import resolve_device, resolve_dtype
@@ -103,10 +95,7 @@ OPTIONS = [
     Option("stream", "bool", True, "print tokens as they come (single prompt)"),
     Option("echo", "bool", True, "print the prompt before its continuation"),
     Option("output", "choice", "text", "text, or one JSON object per prompt", ("text", "jsonl")),
-    COMPILE_OPTION,
-    DEVICE_OPTION,
-    DTYPE_OPTION,
-    TOKENIZER_OPTION,
+    *MODEL_LOADING_OPTIONS,
 ]
 
 SUMMARY = (
