@@ -1,9 +1,9 @@
 """lmsys-train: train a model of the family on prepared data with DeepSpeed ZeRO.
 
     python -m lmsys.prepare                                   # once: data/default
-    torchrun --standalone --nproc_per_node=2 -m lmsys.train deepspeed=zero2 model=tiny
-    lmsys-train model=seed_trax optim.lr=3e-4 trainer.max_steps=2000      # one process
-    lmsys-train -m optim.lr=1e-3,3e-4 model=tiny,seed_trax               # a Hydra sweep
+    python -m launch.torchrun -- deepspeed=zero2 model=tiny   # 2 processes (torchrun, quiet)
+    lmsys-train optim.lr=3e-4 trainer.max_steps=50            # one process
+    lmsys-train -m optim.lr=1e-3,3e-4 trainer.max_steps=50    # a Hydra sweep
 
 How a run is set up and what one optimizer step does: lmsys/training/trainer.py.
 
