@@ -62,3 +62,14 @@ def test_every_example_fits_the_default_data(tmp_path):
         overrides = [a for a in args if not a.startswith("-")]
         for job in expand_sweep(overrides) if "-m" in args else [overrides]:
             assert compose(job).model.vocab_size == default_vocab, (command, job)
+
+
+def test_an_argparse_flag_is_one_line_naming_the_override(tmp_path):
+    """`--max_steps 5` (an argparse habit) is not Hydra's usage block but the key=value it means."""
+    proc = lmsys_train("--max_steps", "5", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "lmsys-train: error: unknown option --max_steps; lmsys-train takes key=value overrides: "
+        "did you mean trainer.max_steps=5?"
+    ]
+    assert list(tmp_path.iterdir()) == []
