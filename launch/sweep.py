@@ -1,7 +1,7 @@
 """lmsys sweep launcher: every job of a Hydra sweep is its own torchrun launch, then a summary.
 
-    python -m launch.sweep --nproc 2 -- optim.lr=1e-3,3e-4 model=tiny,seed_trax trainer.max_steps=500
-    python -m launch.sweep --sweep-dir runs/lr-sweep -- optim.lr=range(1,4)   # again: finishes what is left
+    python -m launch.sweep --nproc 2 -- optim.lr=1e-3,3e-4 trainer.max_steps=50
+    python -m launch.sweep --sweep-dir runs/seeds -- trainer.seed=range(1,4) trainer.max_steps=50
 
 The overrides are expanded exactly as `lmsys-train -m` would (Hydra's override grammar and
 BasicSweeper: the cartesian product of comma lists, range(), glob()), every job's config is
@@ -60,6 +60,14 @@ from lmsys.sweep.summary import summarize  # noqa: E402
 PROG = "lmsys-sweep"
 TORCHRUN = Path(__file__).resolve().with_name("torchrun.py")
 RESERVED = ("trainer.run_dir",)
+SWEEP_HELP = """\
+sweep overrides (after `--`): Hydra's sweep grammar, as `lmsys-train -m` takes it: a comma list
+(optim.lr=1e-3,3e-4), range(1,4), glob(); one job per combination. Other options (--nnodes,
+--rdzv-endpoint, ...) go to launch.torchrun for every job.
+
+examples: each runs as written on the default data; the same command again finishes a sweep
+  python -m launch.sweep --nproc 2 -- optim.lr=1e-3,3e-4 trainer.max_steps=50
+  python -m launch.sweep --sweep-dir runs/seeds -- trainer.seed=range(1,4) trainer.max_steps=50"""
 
 
 def _key(override: str) -> str:
@@ -155,8 +163,10 @@ def run_job(command: list[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m launch.sweep",
+        usage="%(prog)s [options] [launch.torchrun options] -- sweep overrides ...",
         description="Run every job of a Hydra sweep as its own torchrun launch, then summarize the sweep.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=SWEEP_HELP,
     )
     parser.add_argument("--nproc", type=int, help="processes per job (default: launch/torchrun.py's choice)")
     parser.add_argument("--sweep-dir", help="where the jobs' run directories go (default runs/sweep-<time>)")
@@ -226,9 +236,16 @@ def _run_jobs(index: dict, commands: list[list[str]], keep_going: bool, save) ->
     try:
         for i, (entry, command) in enumerate(zip(index["jobs"], commands)):
             if entry["status"] == "completed":
-                print(f"{PROG}: job {i}/{total}: already completed, skipped", flush=True)
+                print(
+                    f"{PROG}: job {i + 1}/{total} ({entry['run_dir']}): already completed, skipped",
+                    flush=True,
+                )
                 continue
-            print(f"{PROG}: job {i}/{total}: {' '.join(entry['overrides'])}", flush=True)
+            # counted from 1 for the reader; the run directory keeps Hydra's job number (from 0)
+            print(
+                f"{PROG}: job {i + 1}/{total} ({entry['run_dir']}): {' '.join(entry['overrides'])}",
+                flush=True,
+            )
             entry.update(status="running", started=datetime.now().isoformat(timespec="seconds"))
             save()
             t0 = time.perf_counter()
@@ -249,7 +266,11 @@ def _run_jobs(index: dict, commands: list[list[str]], keep_going: bool, save) ->
             )
             save()
             if code != 0:
-                print(f"{PROG}: job {i} failed with exit status {code}", file=sys.stderr, flush=True)
+                print(
+                    f"{PROG}: job {i + 1}/{total} ({entry['run_dir']}) failed with exit status {code}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 exit_code = exit_code or code
                 if not keep_going:
                     break
@@ -290,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         if args.dry_run:
             for i, command in enumerate(commands):
-                print(f"job {i}: {' '.join(command)}")
+                print(f"job {i + 1}/{len(commands)}: {' '.join(command)}")
             return 0
         index = _open_index(sweep_dir, group, overrides, jobs)
         save = (lambda: _write_index(sweep_dir / SWEEP_FILE, index)) if primary else (lambda: None)

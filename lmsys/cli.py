@@ -19,6 +19,7 @@ Imports the standard library only: the light commands (sweep summaries, launcher
 
 from __future__ import annotations
 
+import difflib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -152,3 +153,37 @@ def run_cli(prog: str, body: Callable[[], int], interrupted: str = "interrupted"
         if is_reporting_rank():
             print(f"{prog}: {interrupted}", file=sys.stderr, flush=True)
         return 130
+
+
+# ----------------------------------------------------------------------------- --flags meant as keys
+
+
+def flag_as_override(prog: str, argv: list[str], keys: list[str], known_flags: set[str]) -> None:
+    """Raise UsageError for the first `--name value` (or `--name=value`) that is not one of
+    `known_flags`, naming the key=value override it most likely means (an argparse habit: the
+    Hydra commands take `trainer.max_steps=5`, not `--max_steps 5`). `keys`: the dotted keys."""
+    for i, arg in enumerate(argv):
+        flag, sep, value = arg.partition("=")
+        if not arg.startswith("-") or flag in known_flags or _is_number(arg):
+            continue
+        if not sep and i + 1 < len(argv) and "=" not in argv[i + 1] and not argv[i + 1].startswith("-"):
+            value = argv[i + 1]
+        name = flag.lstrip("-").replace("-", "_")
+        matches = [k for k in keys if k == name or k.rsplit(".", 1)[-1] == name]
+        if not matches:
+            leaves = {k.rsplit(".", 1)[-1]: k for k in keys}
+            matches = [leaves[c] for c in difflib.get_close_matches(name, list(leaves), n=1, cutoff=0.6)]
+        shown = value if value else "VALUE"
+        hint = " or ".join(f"{k}={shown}" for k in matches[:3])
+        raise UsageError(
+            f"unknown option {flag}; {prog} takes key=value overrides"
+            + (f": did you mean {hint}?" if hint else f" (run `{prog} --help` for the keys)")
+        )
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True

@@ -1,7 +1,7 @@
 """lmsys-prepare: raw text → tokenizer + token shards + manifest.json in `data.dir`.
 
     python -m lmsys.prepare                                  # default corpus, default model
-    python -m lmsys.prepare data.sources=[corpus/] data.dir=data/mine model=gpt2_124m
+    python -m lmsys.prepare data.sources=[corpus/] data.dir=data/mine model=gpt2_124m model.vocab_size=8192
     python -m lmsys.prepare data.sources=[corpus/] data.tokenizer=hf/gpt2 model=gpt2_124m
 
 Settings (Hydra overrides `key=value`; conf/data/default.yaml, lmsys/core/config.py DataConfig):

@@ -1,9 +1,9 @@
 """lmsys-train: train a model of the family on prepared data with DeepSpeed ZeRO.
 
     python -m lmsys.prepare                                   # once: data/default
-    torchrun --standalone --nproc_per_node=2 -m lmsys.train deepspeed=zero2 model=tiny
-    lmsys-train model=seed_trax optim.lr=3e-4 trainer.max_steps=2000      # one process
-    lmsys-train -m optim.lr=1e-3,3e-4 model=tiny,seed_trax               # a Hydra sweep
+    python -m launch.torchrun -- deepspeed=zero2 model=tiny   # 2 processes (torchrun, quiet)
+    lmsys-train optim.lr=3e-4 trainer.max_steps=50            # one process
+    lmsys-train -m optim.lr=1e-3,3e-4 trainer.max_steps=50    # a Hydra sweep
 
 How a run is set up and what one optimizer step does: lmsys/training/trainer.py.
 
@@ -20,8 +20,8 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from lmsys.cli import run_cli
-from lmsys.core.config import CONF_DIR, compose, to_config
+from lmsys.cli import flag_as_override, run_cli
+from lmsys.core.config import CONF_DIR, compose, config_to_dict, flatten_dict, to_config
 from lmsys.core.console import report_error
 from lmsys.core.errors import LmsysError, Stopped
 from lmsys.engine import zero as eng
@@ -34,6 +34,13 @@ from lmsys.sweep.multirun import (
 )
 from lmsys.train_help import usage
 from lmsys.training.trainer import PROG, train
+
+# Hydra's own command-line flags; any other `--name` is taken for a key (`--max_steps 5`).
+HYDRA_FLAGS = {
+    "-h", "--help", "-m", "--multirun", "-c", "--cfg", "-i", "--info", "--hydra-help", "--resolve",
+    "-p", "--package", "-r", "--run", "-sc", "--shell-completion", "-cp", "--config-path",
+    "-cn", "--config-name", "-cd", "--config-dir", "--experimental-rerun", "--version",
+}  # fmt: skip
 
 # ----------------------------------------------------------------------------- entry points
 
@@ -106,8 +113,14 @@ def main(argv: list[str] | None = None) -> int:
         check_multirun(argv)  # every job composed up front: a mistake is one line before any job runs
         return 0
 
+    def refuse_flag() -> int:  # Hydra would print its usage block, with no hint of the key
+        flag_as_override(PROG, argv, list(flatten_dict(config_to_dict(compose([])))), HYDRA_FLAGS)
+        return 0
+
     if any(arg in ("-h", "--help") for arg in argv):
         return run_cli(PROG, show_help)
+    if any(a.startswith("-") and a.partition("=")[0] not in HYDRA_FLAGS for a in argv):
+        return run_cli(PROG, refuse_flag)
     die_with_launcher()
     if _is_plain_run(argv):
         return run_cli(PROG, plain_run)

@@ -32,12 +32,12 @@ KEY_HELP = [
 ]
 
 EXAMPLES = """\
-examples:
+examples: each runs as written on the default data (data/default)
   python -m lmsys.prepare                                          # once: data/default
   python -m lmsys.train trainer.max_steps=50                       # one process
-  torchrun --standalone --nproc_per_node=2 -m lmsys.train deepspeed=zero3 model=seed_trax
-  python -m launch.torchrun --nproc 8 -- model=gpt2_124m trainer=gpt2 optim=gpt2
-  lmsys-train -m optim.lr=1e-3,3e-4 model=tiny,seed_gpt            # a sweep: one job each
+  python -m launch.torchrun -- deepspeed=zero3 trainer.max_steps=50   # 2 processes (1 per GPU)
+  python -m launch.torchrun --nproc 8 -- model=gpt2_124m model.vocab_size=2048 trainer=gpt2 optim=gpt2
+  lmsys-train -m optim.lr=1e-3,3e-4 trainer.max_steps=50           # a sweep: one job each
   lmsys-train --cfg job model=gpt2_124m                            # print the composed config"""
 
 

@@ -19,6 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def body() -> int:
+        if argv[:1] in (["-h"], ["--help"]):  # the benchmarks; each has its own --help with examples
+            print(f"usage: python -m lmsys.bench {{{','.join(COMMANDS)}}} [key=value ...]")
+            print("each benchmark prints a ratio against a baseline measured in the same run;")
+            print("`python -m lmsys.bench train --help` (or prepare, generate) for its options and examples")
+            return 0
         if not argv or argv[0] not in COMMANDS:
             raise UsageError(f"usage: python -m lmsys.bench {{{','.join(COMMANDS)}}} [key=value ...]")
         # Only the chosen benchmark is imported: each pulls in what it measures (DeepSpeed, ...).

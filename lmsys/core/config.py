@@ -457,6 +457,20 @@ def _did_you_mean(word: str, valid: list[str], prefix: str) -> str:
     return f"; did you mean {prefix}{close[0]}?" if close else ""
 
 
+def bracket_list_value(override: str) -> str:
+    """`data.sources=corpus/` -> `data.sources=[corpus/]`: a bare value for a list key is a list of
+    one (OmegaConf would refuse it with a type error that names no fix)."""
+    key, sep, value = override.partition("=")
+    if not sep or not value or value.startswith("[") or value in ("null", "None") or key[:1] in "+~":
+        return override
+    parent, _, name = key.rpartition(".")
+    node: Any = Config
+    for part in [p for p in parent.split(".") if p]:
+        node = typing.get_type_hints(node).get(part) if dataclasses.is_dataclass(node) else None
+    hint = typing.get_type_hints(node).get(name) if dataclasses.is_dataclass(node) else None
+    return f"{key}=[{value}]" if typing.get_origin(hint) is list else override
+
+
 def schema_keys(path: str = "") -> list[str]:
     """The keys the schema allows under a dotted path ("" for the top level, e.g. "model.ffn")."""
     node: Any = Config
@@ -474,7 +488,7 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
     The public entry point used by every CLI and by outside checks. Raises ConfigError with one
     line naming the key for a misspelled key, a wrong type, or an invalid value.
     """
-    overrides = list(overrides or [])
+    overrides = [bracket_list_value(o) for o in overrides or []]
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     try:

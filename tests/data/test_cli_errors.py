@@ -49,13 +49,15 @@ def _bad_corpus(tmp_path: Path) -> tuple[Path, int]:
 
 @pytest.mark.parametrize(
     "case",
-    ["missing", "empty_dir", "whitespace_file", "empty_jsonl", "bad_glob"],
+    ["missing", "missing_unbracketed", "empty_dir", "whitespace_file", "empty_jsonl", "bad_glob"],
 )
 def test_missing_or_empty_inputs(tmp_path, out_root, case):
     src = tmp_path / "src"
     src.mkdir()
     entry, fragments = {
         "missing": (tmp_path / "nope.txt", ["nope.txt does not exist"]),
+        # data.sources=PATH, no brackets: a list of one (was OmegaConf's "str is not a ListConfig")
+        "missing_unbracketed": (tmp_path / "nope.txt", ["nope.txt does not exist"]),
         "empty_dir": (src, ["has no .txt, .md, .jsonl"]),
         "whitespace_file": (src / "blank.txt", ["no documents in", "blank.txt", "1 empty"]),
         "empty_jsonl": (src / "none.jsonl", ["no documents in", "none.jsonl"]),
@@ -63,7 +65,8 @@ def test_missing_or_empty_inputs(tmp_path, out_root, case):
     }[case]
     (src / "blank.txt").write_text("  \n\n") if case == "whitespace_file" else None
     (src / "none.jsonl").write_text("\n\n") if case == "empty_jsonl" else None
-    proc = run_prepare(f"data.sources=[{entry}]", f"data.dir={out_root / 'out'}", cwd=tmp_path)
+    sources = f"data.sources={entry}" if case == "missing_unbracketed" else f"data.sources=[{entry}]"
+    proc = run_prepare(sources, f"data.dir={out_root / 'out'}", cwd=tmp_path)
     assert_one_line_error(proc, *fragments)
     assert_nothing_left(out_root)
 

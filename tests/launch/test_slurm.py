@@ -119,7 +119,7 @@ def test_sbatch_sweep_continues_after_a_requeue(slurm, tiny, one_node, tmp_path)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", context()
     assert f"lmsys-slurm: job {job} restart 0: 1 node(s) x 2 process(es) (CPU: tasks per node)" in log
     assert "lmsys-sweep: preempted: the running job saved its step; exit 75" in log, log
-    assert "requeueing job" in log and "lmsys-sweep: job 1/2:" in log, log
+    assert "requeueing job" in log and "lmsys-sweep: job 2/2 (" in log, log
     jobs = json.loads((sweep_dir / "sweep.json").read_text())["jobs"]
     assert [j["status"] for j in jobs] == ["completed", "completed"], jobs
     launches = run_meta(sweep_dir / "0")["launches"]

@@ -113,6 +113,26 @@ def test_launch_sweep_gives_each_multi_node_job_its_rendezvous_id(tiny, tmp_path
         assert f"trainer.run_dir={tmp_path / 's' / str(num)}" in command and "logger.group=s" in command
 
 
+def test_launch_sweep_help_shows_the_overrides_and_counts_jobs_from_one(tiny, tmp_path, capsys):
+    """--help shows the `-- sweep overrides` part and examples; jobs are numbered 1/N ... N/N."""
+    from launch.sweep import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(
+        "usage: python -m launch.sweep [options] [launch.torchrun options] -- sweep overrides"
+    )
+    assert "  python -m launch.sweep --nproc 2 -- optim.lr=1e-3,3e-4 trainer.max_steps=50" in out
+    assert (
+        main(["--dry-run", "--nproc", "1", "--sweep-dir", str(tmp_path / "s"), "--", *tiny, "optim.lr=1,2"])
+        == 0
+    )
+    numbers = [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("job ")]
+    assert numbers == ["job 1/2", "job 2/2"]
+
+
 def test_multirun_world_size():
     assert multirun_world_size(["optim.lr=1e-3,3e-4"], {}) == 1
     assert multirun_world_size(["optim.lr=1e-3"], {"WORLD_SIZE": "4"}) == 4  # under torchrun
@@ -254,6 +274,9 @@ def test_launch_sweep_runs_each_job_as_a_two_process_torchrun(tiny, one_node, tm
     assert again.returncode == 0, again.stderr
     assert again.stdout.count("already completed, skipped") == 2
     assert len(run_meta(sweep_dir / "0")["launches"]) == 2
+    # jobs are counted from 1 (the run directories keep Hydra's numbers from 0)
+    assert f"lmsys-sweep: job 1/2 ({sweep_dir / '0'}): " in proc.stdout, proc.stdout
+    assert f"lmsys-sweep: job 2/2 ({sweep_dir / '1'}): " in proc.stdout and "job 0/" not in proc.stdout
 
 
 @pytest.mark.slow

@@ -38,3 +38,38 @@ def test_a_misspelled_key_is_one_line_with_the_nearest_one(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         "lmsys-train: error: Key 'lrr' not in 'OptimConfig' (key: optim.lrr); did you mean optim.lr?"
     ]
+
+
+def test_every_example_fits_the_default_data(tmp_path):
+    """Each example in --help runs as written on data/default (what `python -m lmsys.prepare`
+    writes, with the default model's vocabulary): its model has that vocabulary, and launches go
+    through the quiet launcher (raw torchrun adds ~40 lines of its own). The docs test
+    (tests/test_docs_commands.py) runs them."""
+    from lmsys.core.config import compose
+    from lmsys.sweep.multirun import expand_sweep
+
+    out = lmsys_train("--help", cwd=tmp_path).stdout
+    examples = out.split("examples", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+    commands = [line.split("#", 1)[0].split() for line in examples]
+    assert len(commands) >= 5 and not any(c[0] == "torchrun" for c in commands), examples
+    default_vocab = compose([]).model.vocab_size
+    for command in commands:
+        args = command[command.index("--") + 1 :] if "--" in command else command[1:]
+        if args[:2] == ["-m", "lmsys.train"]:
+            args = args[2:]
+        if "lmsys.prepare" in command or "--cfg" in args:
+            continue
+        overrides = [a for a in args if not a.startswith("-")]
+        for job in expand_sweep(overrides) if "-m" in args else [overrides]:
+            assert compose(job).model.vocab_size == default_vocab, (command, job)
+
+
+def test_an_argparse_flag_is_one_line_naming_the_override(tmp_path):
+    """`--max_steps 5` (an argparse habit) is not Hydra's usage block but the key=value it means."""
+    proc = lmsys_train("--max_steps", "5", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "lmsys-train: error: unknown option --max_steps; lmsys-train takes key=value overrides: "
+        "did you mean trainer.max_steps=5?"
+    ]
+    assert list(tmp_path.iterdir()) == []
