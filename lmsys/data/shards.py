@@ -8,12 +8,14 @@ A prepared directory (`data.dir`, written by lmsys-prepare) holds, in FORMAT_VER
   memmap-able; a split is the concatenation of its shards in order, every document ends with
   eos, and a document may continue into the next shard;
 - `manifest.json`: the format and version, the tokenizer (kind, file, sha256, vocab_size,
-  special ids; kind "sentencepiece" when absent), the dtype, every shard (file, split, tokens)
-  and the totals per split, plus whatever provenance the writer adds (lmsys-prepare: sources,
+  special ids; kind "sentencepiece" when absent), the dtype, every shard (file, split, tokens,
+  and since lmsys-prepare records them its sha256 and largest id `max_id`) and the totals per
+  split, plus whatever provenance the writer adds (lmsys-prepare: sources,
   config, fingerprint, timings).
 
 `read_manifest` checks a directory against its manifest (every shard present with exactly its
-recorded size, the totals adding up, the tokenizer file's sha256) before anything reads it;
+recorded size, the totals adding up, the tokenizer file's sha256, the token ids below the
+vocabulary and the shards' checksums: lmsys.data.integrity) before anything reads it;
 `PreparedData` opens a checked directory and serves each split as one memory-mapped array.
 Writing goes through `ShardWriter` (one split, appending) and `write_manifest`.
 """
@@ -29,6 +31,7 @@ import numpy as np
 
 from lmsys.core.errors import DataError
 from lmsys.core.files import sha256_file
+from lmsys.data.integrity import ShardDigest, check_shard_ids, digest_file
 
 if TYPE_CHECKING:
     from lmsys.core.config import ModelConfig
@@ -53,8 +56,9 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def read_manifest(directory: str | Path, prog: str = "lmsys-prepare") -> dict[str, Any]:
     """Load `directory/manifest.json` and check it against the files: every shard exists with
-    exactly `tokens * itemsize` bytes, per-split totals add up, and the tokenizer file has the
-    recorded sha256. Raises DataError naming the problem (and the `prog` command that fixes it)."""
+    exactly `tokens * itemsize` bytes, per-split totals add up, the tokenizer file has the
+    recorded sha256, and the shards' ids and checksums check out (lmsys.data.integrity).
+    Raises DataError naming the problem (and the `prog` command that fixes it)."""
     d = Path(directory)
     hint = f"run `{prog} data.dir={directory}`"
     redo = f"run `{prog} data.dir={directory} data.overwrite=true`"
@@ -92,6 +96,7 @@ def read_manifest(directory: str | Path, prog: str = "lmsys-prepare") -> dict[st
             f"the shards in {directory} were made by another tokenizer: {MANIFEST} says sha256 "
             f"{str(tok['sha256'])[:12]}, {tok_path.name} is {sha[:12]}; restore it or {redo}"
         )
+    check_shard_ids(d, manifest, int(tok["vocab_size"]), redo)
     return manifest
 
 
@@ -159,6 +164,7 @@ class ShardWriter:
     def __init__(self, directory: Path, split: str, dtype: np.dtype, shard_tokens: int):
         self.directory, self.split, self.dtype, self.shard_tokens = directory, split, dtype, shard_tokens
         self.shards: list[list[Any]] = []  # [file name, tokens]
+        self.digests: list[ShardDigest] = []  # one per shard: its sha256 and largest id
         self.documents = 0  # complete documents written
         self.last_doc_tokens = 0  # tokens of the last complete document (for the split fix-up)
         self._doc_tokens = 0  # tokens of the document being written so far
@@ -173,6 +179,7 @@ class ShardWriter:
         name = f"{self.split}_{len(self.shards):04d}.bin"
         self._fh = open(self.directory / name, "wb")
         self.shards.append([name, 0])
+        self.digests.append(ShardDigest())
 
     def _close_file(self) -> None:
         if self._fh is not None:
@@ -188,6 +195,7 @@ class ShardWriter:
             take = min(len(tokens) - pos, self.shard_tokens - self.shards[-1][1])
             assert self._fh is not None
             self._fh.write(tokens[pos : pos + take].tobytes())
+            self.digests[-1].update(tokens[pos : pos + take])
             self.shards[-1][1] += take
             pos += take
 
@@ -216,15 +224,20 @@ class ShardWriter:
             if take == n:
                 path.unlink()
                 self.shards.pop()
+                self.digests.pop()
             else:
                 os.truncate(path, (n - take) * self.dtype.itemsize)
                 self.shards[-1][1] = n - take
+                self.digests[-1] = digest_file(path, self.dtype.newbyteorder("<"))
             count -= take
         return np.concatenate(parts[::-1]) if parts else np.empty(0, self.dtype)
 
     def close(self) -> list[dict[str, Any]]:
         self._close_file()
-        return [{"file": name, "split": self.split, "tokens": n} for name, n in self.shards]
+        return [
+            {"file": name, "split": self.split, "tokens": n, **digest.record()}
+            for (name, n), digest in zip(self.shards, self.digests)
+        ]
 
 
 # ----------------------------------------------------------------------------- reading

@@ -191,3 +191,64 @@ def test_uint32_shards_for_a_vocabulary_above_65536(tmp_path, other_tokenizer):
     assert batch.tokens.dtype == torch.int64 and int(batch.tokens.max()) < 70_000
     seen = {int(t) for _ in range(loader.num_samples) for t in loader.next_batch().tokens.flatten()}
     assert high <= seen
+
+
+def _first_train_shard(directory: Path) -> Path:
+    return directory / read_manifest(directory)["shards"][0]["file"]
+
+
+def test_manifest_records_each_shards_checksum_and_largest_id(prepared):
+    for s in read_manifest(prepared)["shards"]:
+        ids = np.fromfile(prepared / s["file"], dtype="<u2")
+        assert s["max_id"] == int(ids.max()) < VOCAB
+        assert s["sha256"] == sha256_file(prepared / s["file"])
+
+
+@pytest.mark.parametrize("old_manifest", [False, True], ids=["manifest", "old-manifest"])
+def test_ids_past_the_vocabulary_are_detected(copy, old_manifest):
+    """A shard of the right size holding ids >= vocab_size (a shard from another tokenizer) is
+    refused when opened, naming the shard and the command that prepares it again; a manifest
+    written before checksums existed is checked by a scan of the ids."""
+    if old_manifest:
+        m = json.loads((copy / MANIFEST).read_text())
+        for s in m["shards"]:
+            del s["max_id"], s["sha256"]
+        (copy / MANIFEST).write_text(json.dumps(m))
+        PreparedData(copy)  # prepared data from before the change still loads
+    shard = _first_train_shard(copy)
+    ids = np.fromfile(shard, dtype="<u2")
+    ids[len(ids) // 2] = VOCAB + 7
+    ids.tofile(shard)
+    with pytest.raises(DataError) as e:
+        PreparedData(copy)
+    assert "\n" not in str(e.value)
+    assert f"corrupt shard {shard}: token id {VOCAB + 7} at position {len(ids) // 2}" in str(e.value)
+    assert f"vocab_size is {VOCAB}" in str(e.value)
+    assert f"lmsys-prepare data.dir={copy} data.overwrite=true" in str(e.value)
+
+
+def test_changed_bytes_are_detected(copy):
+    shard = _first_train_shard(copy)
+    ids = np.fromfile(shard, dtype="<u2")
+    ids[[3, 4]] = ids[[4, 3]] if ids[3] != ids[4] else (5, 6)  # still valid ids, other bytes
+    ids.tofile(shard)
+    wanted = rf"corrupt shard {shard}: its sha256 .* differs from .*data.overwrite=true"
+    with pytest.raises(DataError, match=wanted):
+        PreparedData(copy)
+
+
+def test_large_data_is_checked_on_a_sample(copy, monkeypatch):
+    """Above the full-check size, ids are read at evenly spaced blocks of every shard (the first
+    block included) and checksums are not computed; bad ids in a sampled block are still found."""
+    from lmsys.data import integrity
+
+    monkeypatch.setattr(integrity, "FULL_CHECK_BYTES", 0)
+    shard = _first_train_shard(copy)
+    ids = np.fromfile(shard, dtype="<u2")
+    ids[[3, 4]] = ids[[4, 3]] if ids[3] != ids[4] else (5, 6)
+    ids.tofile(shard)
+    PreparedData(copy)  # a changed checksum is not seen on a sample
+    ids[1] = 65535
+    ids.tofile(shard)
+    with pytest.raises(DataError, match=rf"corrupt shard {shard}: token id 65535 at position 1"):
+        PreparedData(copy)

@@ -93,13 +93,15 @@ def harness_runs(tmp_path_factory, hf_export, random_export, tokenizer_path):
     tasks = write_tasks(root / "tasks")
     text = root / "rolling.txt"
     text.write_text(ROLLING_TEXT, encoding="utf-8")
-    common = ["--tasks", ",".join(TASKS), "--include_path", str(tasks), "--batch_size", "4", "--log_samples"]
+    common = ["--tasks", ",".join(TASKS), "--include_path", str(tasks), "--log_samples"]
     hf_args = f"pretrained={hf_export},dtype=float32,prefix_token_id={Tokenizer(tokenizer_path).eos_id}"
+    # lmsys: batch_size in --model_args, as docs/evaluation.md writes it (and lm_eval passes its
+    # --batch_size default beside it)
     calls = {
-        "lmsys": ["lmsys.harness", "--model", "lmsys", "--model_args", f"path={hf_export}", *common,
-                  "--output_path", str(root / "lmsys")],
+        "lmsys": ["lmsys.harness", "--model", "lmsys", "--model_args", f"path={hf_export},batch_size=4",
+                  *common, "--output_path", str(root / "lmsys")],
         "hf": ["lm_eval", "--model", "hf", "--model_args", hf_args, "--device", "cpu", *common,
-               "--output_path", str(root / "hf")],
+               "--batch_size", "4", "--output_path", str(root / "hf")],
         "lmsys_eval": ["lmsys.evaluate", str(hf_export), f"text={text}", f"json={root / 'eval.json'}"],
         "shortcut": ["lmsys.evaluate", str(random_export), "harness=lmsys_test_mc", f"include_path={tasks}",
                      "batch_size=3", f"json={root / 'shortcut.json'}"],

@@ -1,0 +1,125 @@
+"""Shard integrity: what lmsys-prepare records about each shard, and the check, when shards are
+opened, that they still hold what was written.
+
+Sizes alone (lmsys.data.shards.read_manifest) miss a shard of the right size with other bytes: a
+bad copy, or a shard encoded by another tokenizer. Its ids past the vocabulary would surface as an
+IndexError (a device-side assert on a GPU) in the middle of a run. So each shard's manifest entry
+also records its `sha256` and its largest token id `max_id`, and opening a directory checks:
+- always: the recorded `max_id` is below the tokenizer's vocab_size;
+- when all shards together hold at most FULL_CHECK_BYTES: every shard in full, its sha256 against
+  the manifest and every id below vocab_size (a fraction of a second);
+- above that: a sample, SAMPLE_BYTES in all, in blocks of BLOCK_TOKENS ids at evenly spaced
+  offsets of every shard (its first and last block included), each id below vocab_size.
+  Checksums need every byte and are not computed then (a launch would read the whole corpus).
+Manifests written before these fields existed get the same id checks (full or sampled); only the
+checksum comparison is missing for them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lmsys.core.errors import DataError
+
+FULL_CHECK_BYTES = 64 << 20  # up to this many shard bytes in all, every byte is checked
+SAMPLE_BYTES = 16 << 20  # above it, about this many bytes are read, spread over the shards
+BLOCK_TOKENS = 4096  # ids per sampled block
+_READ_TOKENS = 1 << 20  # ids per read of a full check
+
+
+class ShardDigest:
+    """The sha256 and the largest id of one shard, updated as tokens are appended to it."""
+
+    def __init__(self) -> None:
+        self._sha = hashlib.sha256()
+        self.max_id = -1  # -1: no token yet
+
+    def update(self, tokens: np.ndarray) -> None:
+        """`tokens`: (n,) little-endian ids, exactly the bytes appended to the file."""
+        self._sha.update(memoryview(tokens).cast("B"))
+        if len(tokens):
+            self.max_id = max(self.max_id, int(tokens.max()))
+
+    def record(self) -> dict[str, Any]:
+        """The manifest fields of the shard."""
+        return {"sha256": self._sha.hexdigest(), "max_id": self.max_id}
+
+
+def digest_file(path: Path, dtype: np.dtype) -> ShardDigest:
+    """The digest of a shard file as it is on disk."""
+    digest = ShardDigest()
+    with open(path, "rb") as fh:
+        while block := fh.read(_READ_TOKENS * dtype.itemsize):
+            digest.update(np.frombuffer(block, dtype=dtype))
+    return digest
+
+
+def check_shard_ids(directory: Path, manifest: dict[str, Any], vocab_size: int, redo: str) -> None:
+    """Raise DataError naming the first shard whose ids or bytes are not what was written (see the
+    module docstring for what is read); `redo` is the command that prepares the data again."""
+    dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
+    shards = [s for s in manifest["shards"] if int(s["tokens"]) > 0]
+    for s in shards:
+        if "max_id" in s and int(s["max_id"]) >= vocab_size:
+            raise DataError(
+                f"corrupt shard {directory / s['file']}: manifest.json records token id {s['max_id']}, "
+                f"past the tokenizer's vocabulary (vocab_size is {vocab_size}); {redo}"
+            )
+    total = sum(int(s["tokens"]) for s in shards) * dtype.itemsize
+    if total <= FULL_CHECK_BYTES:
+        for s in shards:
+            _check_full(directory / s["file"], s, dtype, vocab_size, redo)
+        return
+    blocks = max(2, SAMPLE_BYTES // (BLOCK_TOKENS * dtype.itemsize * len(shards)))
+    for s in shards:
+        _check_sample(directory / s["file"], int(s["tokens"]), blocks, dtype, vocab_size, redo)
+
+
+def _bad_id(path: Path, ids: np.ndarray, start: int, vocab_size: int, redo: str) -> DataError | None:
+    """The error for the first id of `ids` (read at shard position `start`) past the vocabulary."""
+    past = np.flatnonzero(ids >= vocab_size)
+    if len(past) == 0:
+        return None
+    where = int(past[0])
+    return DataError(
+        f"corrupt shard {path}: token id {int(ids[where])} at position {start + where} is past the "
+        f"tokenizer's vocabulary (vocab_size is {vocab_size}; a bad copy, or a shard of another "
+        f"tokenizer); {redo}"
+    )
+
+
+def _check_full(path: Path, shard: dict[str, Any], dtype: np.dtype, vocab_size: int, redo: str) -> None:
+    digest, start = ShardDigest(), 0
+    with open(path, "rb") as fh:
+        while block := fh.read(_READ_TOKENS * dtype.itemsize):
+            ids = np.frombuffer(block, dtype=dtype)  # (n,)
+            if error := _bad_id(path, ids, start, vocab_size, redo):
+                raise error
+            digest.update(ids)
+            start += len(ids)
+    recorded = shard.get("sha256")
+    actual = digest.record()["sha256"]
+    if recorded is not None and actual != recorded:
+        raise DataError(
+            f"corrupt shard {path}: its sha256 {actual[:12]} differs from {str(recorded)[:12]} in "
+            f"manifest.json (its bytes changed after lmsys-prepare wrote it); {redo}"
+        )
+
+
+def _check_sample(path: Path, tokens: int, blocks: int, dtype: np.dtype, vocab_size: int, redo: str) -> None:
+    if blocks * BLOCK_TOKENS >= tokens:
+        starts = [0]
+        length = tokens
+    else:
+        starts = np.linspace(0, tokens - BLOCK_TOKENS, blocks).astype(np.int64).tolist()
+        length = BLOCK_TOKENS
+    with open(path, "rb") as fh:
+        for start in starts:
+            fh.seek(start * dtype.itemsize)
+            ids = np.frombuffer(fh.read(length * dtype.itemsize), dtype=dtype)  # (length,)
+            if error := _bad_id(path, ids, start, vocab_size, redo):
+                raise error
