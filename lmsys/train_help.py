@@ -17,6 +17,7 @@ KEY_HELP = [
     ("trainer.save_interval", "steps between checkpoints"),
     ("trainer.keep_last", "checkpoints kept"),
     ("trainer.device", "auto | cpu | cuda"),
+    ("trainer.on_nonfinite", "a NaN/inf or diverging step, once reported: skip | stop | rewind"),
     ("optim.lr", "peak learning rate (linear warmup, then cosine decay)"),
     ("optim.warmup_steps", "steps of linear warmup"),
     ("optim.decay_steps", "where the cosine ends (0: max_steps of the run's first launch)"),

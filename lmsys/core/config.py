@@ -202,7 +202,13 @@ class TrainerConfig:
     # auto | never | <checkpoint dir or run dir: its newest intact checkpoint>; on any world size and
     # ZeRO stage that splits the global batch
     resume: str = "auto"
-    max_nan_skips: int = 5
+    max_nan_skips: int = 5  # steps skipped (or rewound) for a non-finite or diverging loss, then stop
+    # A step whose loss or gradient norm is non-finite, or whose loss diverges, is reported
+    # (<run>/diagnostics/, docs/debugging.md), then: skip (its update) | stop (exit 1) | rewind (to the
+    # last intact checkpoint, never training on that step's data again)
+    on_nonfinite: str = "skip"
+    spike_factor: float = 2.0  # diverging: loss above this times its running median (0: off)
+    spike_margin: float = 1.0  # diverging: loss above log(vocab_size) + this many nats (0: off)
     device: str = "auto"  # auto | cpu | cuda
     progress: bool = True
     # torch.compile the model: auto (on CUDA; eager elsewhere, and eager if compiling fails), true
@@ -218,6 +224,9 @@ class TrainerConfig:
     debug_crash_at_step: int = 0
     debug_signal_at_step: int = 0
     debug_save_delay_s: float = 0.0
+    # "MODULE:PASS:rankR:stepS[:microM]", PASS forward | backward | weights: a NaN in that module's
+    # output, its input gradient, or (after the step) its weights (lmsys/training/faults.py)
+    debug_nonfinite_at: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -278,6 +287,10 @@ def tokens_per_sample(cfg: ModelConfig, seq_len: int) -> int:
 
 
 # ----------------------------------------------------------------------------- validation
+
+
+NONFINITE_POLICIES = ("skip", "stop", "rewind")  # trainer.on_nonfinite
+NONFINITE_INJECTION = re.compile(r"[\w.]+:(forward|backward|weights):rank\d+:step\d+(:micro\d+)?")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -385,6 +398,18 @@ def validate(cfg: Config) -> Config:
     )
     _require(t.save_interval >= 1, f"trainer.save_interval={t.save_interval} must be >= 1")
     _require(t.max_nan_skips >= 0, f"trainer.max_nan_skips={t.max_nan_skips} must be >= 0")
+    _one_of("trainer.on_nonfinite", t.on_nonfinite, NONFINITE_POLICIES)
+    _require(
+        t.spike_factor == 0 or t.spike_factor > 1,
+        f"trainer.spike_factor={t.spike_factor} must be > 1 (0: off)",
+    )
+    _require(t.spike_margin >= 0, f"trainer.spike_margin={t.spike_margin} must be >= 0 (0: off)")
+    for spec in t.debug_nonfinite_at:
+        _require(
+            NONFINITE_INJECTION.fullmatch(str(spec)) is not None,
+            f"trainer.debug_nonfinite_at: {spec!r} is not MODULE:PASS:rankR:stepS[:microM] "
+            "with PASS forward, backward or weights (e.g. blocks.1.attn:backward:rank1:step4)",
+        )
     _require(t.dist_timeout_s > 0, f"trainer.dist_timeout_s={t.dist_timeout_s} must be > 0")
     _require(
         compile_choice(t.compile) in COMPILE_CHOICES,

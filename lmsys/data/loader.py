@@ -15,8 +15,12 @@ Ranks. Rank r of W takes the contiguous slice [r*G/W, (r+1)*G/W) of each step's 
 and cuts it into micro-batches of `micro_batch_size`, in order: no sample is shared between
 ranks, and the concatenation over ranks is the 1-process batch.
 
-Resume. The whole state is the stream position (a step and a micro-batch index) plus the
-settings it is checked against: a restored loader yields exactly the batches an uninterrupted
+Skipped steps. `skip_steps(steps)` marks stream steps never to be trained on (a step whose
+data made the loss non-finite or diverge, trainer.on_nonfinite=rewind): reaching one, the
+loader moves on to the next step's positions. They are part of the resume state.
+
+Resume. The whole state is the stream position (a step and a micro-batch index), the skipped
+steps, plus the settings it is checked against: a restored loader yields exactly the batches an uninterrupted
 one would, for any world size that divides the global batch when restored between steps, and
 for the same world size and micro-batch size when restored in the middle of a step.
 
@@ -88,6 +92,7 @@ class TokenLoader:
         self.micro_batches_per_step = global_batch_size // (micro_batch_size * world_size)
         self.step = 0  # optimizer steps fully consumed
         self.micro = 0  # micro-batches of the current step consumed by this rank
+        self.skipped: set[int] = set()  # stream steps never trained on (skip_steps)
         self._epoch_orders: dict[int, np.ndarray] = {}
 
     # -- order ------------------------------------------------------------------------------
@@ -130,6 +135,29 @@ class TokenLoader:
         epochs, offsets = positions // self.num_samples, positions % self.num_samples
         return any(self._order(int(e))[int(o)] == self.num_samples - 1 for e, o in zip(epochs, offsets))
 
+    def skip_steps(self, steps: list[int] | set[int]) -> None:
+        """Never train on the data of these stream steps (0-based, as `step`)."""
+        self.skipped |= {int(s) for s in steps}
+        self._skip_ahead()
+
+    def _skip_ahead(self) -> None:
+        if self.micro == 0:  # between steps only: a step under way keeps its data
+            while self.step in self.skipped:
+                self.step += 1
+
+    def provenance(self, step: int, micro: int) -> list[dict[str, Any]]:
+        """Where each sequence of this rank's micro-batch `micro` of stream step `step` comes from:
+        its sample index, its first token in the split, and the shard file and offset there."""
+        out = []
+        for index in self.sample_indices(step, micro):
+            start = self.sample_start(int(index))
+            shard, offset = self.tokens.locate(start)
+            out.append(
+                {"split": self.split_name, "sample": int(index), "split_offset": start,
+                 "shard": shard, "shard_offset": offset, "tokens": self.sample_len}
+            )  # fmt: skip
+        return out
+
     @property
     def epoch(self) -> float:
         """Epochs completed, fractional, at the current position."""
@@ -161,6 +189,7 @@ class TokenLoader:
         self.micro += 1
         if self.micro == self.micro_batches_per_step:
             self.step, self.micro = self.step + 1, 0
+            self._skip_ahead()
         return batch
 
     def val_batches(self, count: int) -> list[Batch]:
@@ -216,6 +245,7 @@ class TokenLoader:
             "micro_batch_size": self.micro_batch,
             "world_size": self.world_size,
             "rank": self.rank,
+            "skipped_steps": sorted(self.skipped),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -244,3 +274,5 @@ class TokenLoader:
                         "checkpoint taken between steps"
                     )
         self.step, self.micro = int(state["step"]), micro
+        self.skipped = set()
+        self.skip_steps(state.get("skipped_steps", []))

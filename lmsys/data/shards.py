@@ -271,6 +271,11 @@ class SplitTokens:
             i += 1
         return np.concatenate(parts) if len(parts) > 1 else np.asarray(parts[0])
 
+    def locate(self, start: int) -> tuple[str, int]:
+        """(shard file name, offset in it) of token `start` of the split: where a sequence comes from."""
+        i = int(np.searchsorted(self.starts, start, side="right")) - 1
+        return Path(str(self.shards[i].filename)).name, start - int(self.starts[i])
+
 
 class PreparedData:
     """A prepared directory, checked against its manifest on opening."""

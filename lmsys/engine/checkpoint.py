@@ -26,6 +26,9 @@ be picked up half-written:
    intact tags stay (and the one just written), older ones are deleted, and a damaged one (no
    marker, a missing or truncated file) is moved into `checkpoints/damaged/`, never counted.
 
+A checkpoint never holds a non-finite value: `save` refuses (TrainingError, one line naming the
+weight) when any rank's weights hold a NaN or inf, before anything is written.
+
 Which checkpoint (`resolve`, `find_latest`): a checkpoint directory names itself, and must be
 complete and intact; a run directory or its checkpoints/ directory means its newest complete,
 intact `step_*`, every newer one that is not (no marker, a missing, truncated or altered file)
@@ -52,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from lmsys.core.config import ModelConfig, flatten_dict, model_config_from_dict
-from lmsys.core.errors import CheckpointError, ConfigError
+from lmsys.core.errors import CheckpointError, ConfigError, TrainingError
 from lmsys.core.files import TMP_PREFIX, atomic_write_text, install_dir, sha256_file
 from lmsys.data.tokenizer import TOKENIZER_FILES
 from lmsys.engine.reshard import load_resharded
@@ -159,6 +162,32 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def nonfinite_weight(engine: Any) -> str | None:
+    """The first weight of this rank's share of the engine (its partition at ZeRO-3) that holds a
+    NaN or inf, by its name in the model; None when all are finite."""
+    for name, p in engine.module.named_parameters():
+        local = getattr(p, "ds_tensor", p)
+        if local.is_floating_point() and local.numel() and not bool(torch.isfinite(local).all()):
+            return name.removeprefix("model.")
+    return None
+
+
+def refuse_nonfinite(engine: Any, step: int, root: Path) -> None:
+    """A checkpoint never holds a non-finite value: TrainingError (every rank alike) when a weight
+    on any rank does."""
+    found = [nonfinite_weight(engine)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, nonfinite_weight(engine))
+    bad = [(rank, name) for rank, name in enumerate(found) if name is not None]
+    if bad:
+        rank, name = bad[0]
+        raise TrainingError(
+            f"refusing to save the checkpoint of step {step}: weight {name} holds NaN/inf (rank {rank}); "
+            f"the last intact checkpoint stays the newest in {root}"
+        )
+
+
 def save(
     engine: Any,
     run_dir: Path,
@@ -175,6 +204,7 @@ def save(
     files are written but not committed (trainer.debug_save_delay_s). Returns the final
     checkpoint directory."""
     root = run_dir / CHECKPOINTS
+    refuse_nonfinite(engine, state.step, root)
     tag = tag_for(state.step)
     tmp_tag = f"{TMP_PREFIX}{tag}"
     tmp_dir, final_dir = root / tmp_tag, root / tag

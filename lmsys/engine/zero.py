@@ -66,14 +66,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class _NoOverflowNotice(logging.Filter):
+    """DeepSpeed's "OVERFLOW! Skipping step" would double the trainer's own report of a step with a
+    non-finite gradient (lmsys.training.health)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "OVERFLOW!" not in record.getMessage()
+
+
+OVERFLOW_FILTER = _NoOverflowNotice()
+
+
 def quiet_deepspeed() -> None:
     """DeepSpeed logs its whole configuration and every bucket size at INFO; keep warnings only."""
     for name in ("DeepSpeed", "deepspeed"):
         logging.getLogger(name).setLevel(logging.WARNING)
+        logging.getLogger(name).addFilter(OVERFLOW_FILTER)
     try:
         from deepspeed.utils import logger as ds_logger  # deepspeed late: see the module docstring
 
         ds_logger.setLevel(logging.WARNING)
+        ds_logger.addFilter(OVERFLOW_FILTER)  # adding the same filter again is a no-op
     except Exception:  # pragma: no cover - older layouts
         pass
 
@@ -398,11 +411,11 @@ def optimizer_step(engine: Any, loss_is_finite: bool) -> StepOutcome:
     the norm it clipped with; stage 0 has to be told to skip, and its norm is taken here
     (DeepSpeed's stage-0 clipping discards its own)."""
     if engine.zero_optimization_stage() == 0:
-        if not loss_is_finite:
+        norm = replicated_grad_norm(engine.module) if loss_is_finite else math.nan
+        if not math.isfinite(norm):  # nor a non-finite gradient (DeepSpeed would apply it)
             with skipped_update(engine):
                 engine.step()
             return StepOutcome(applied=False, grad_norm=None)
-        norm = replicated_grad_norm(engine.module)
         engine.step()
     else:
         engine.step()

@@ -7,9 +7,18 @@ defaults, which inject nothing.
     trainer.debug_crash_at_step=3        the last rank exits (status 13) at this step, first attempt only
     trainer.debug_signal_at_step=3       the last rank sends itself SIGTERM during this step
     trainer.debug_save_delay_s=2         a checkpoint save sleeps this long before it is committed
+    trainer.debug_nonfinite_at=["blocks.1.attn:backward:rank1:step4"]
+                                         a NaN appears in blocks.1.attn on rank 1 at step 4: in its
+                                         output (forward), in the gradient it passes to its input
+                                         (backward; optionally on micro-batch M only: ...:microM), or
+                                         in one of its weights after the step (weights)
 
 The trainer calls the hooks at fixed points of a step: `before_step`, `poison_loss` on each
-micro-batch's loss, `after_step`; the checkpoint save reads `save_pause_s`.
+micro-batch's loss, `after_step`; the checkpoint save reads `save_pause_s`. A non-finite
+injection is a broken module: `arm(model)` hooks it into the training model and into the copy
+that lmsys.training.nonfinite replays a step on, so the replay meets the same fault. It fires the
+first time its step runs in a launch only (a fault of that step's data: after a rewind, which
+never trains on that data again, the step runs clean).
 """
 
 from __future__ import annotations
@@ -20,8 +29,82 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from lmsys.core.config import TrainerConfig
+from lmsys.core.errors import ConfigError
+
+
+@dataclass
+class NonfiniteInjection:
+    """trainer.debug_nonfinite_at: MODULE:PASS:rankR:stepS[:microM]."""
+
+    module: str  # dotted path in the Transformer, e.g. blocks.1.attn
+    where: str  # forward | backward | weights
+    rank: int
+    step: int
+    micro_batch: int | None = None  # None: every micro-batch of the step
+    current_step: int = 0  # the step under way (before_step)
+    calls: int = 0  # the module's forwards in the step under way: the micro-batch index
+    fired_steps: frozenset[int] = frozenset()
+
+    @classmethod
+    def parse(cls, spec: str) -> NonfiniteInjection:
+        module, where, rank, step, *micro = spec.split(":")  # validated by lmsys.core.config
+        return cls(
+            module,
+            where,
+            int(rank.removeprefix("rank")),
+            int(step.removeprefix("step")),
+            int(micro[0].removeprefix("micro")) if micro else None,
+        )
+
+    def begin_step(self, step: int) -> None:
+        if self.current_step == self.step and step != self.step:
+            self.fired_steps = self.fired_steps | {self.step}
+        self.current_step, self.calls = step, 0
+
+    def live(self) -> bool:
+        return self.current_step == self.step and self.step not in self.fired_steps
+
+    def arm(self, model: nn.Module) -> None:
+        """Hook the fault into `model` (a Transformer) at self.module."""
+        try:
+            target = model.get_submodule(self.module)
+        except AttributeError:
+            raise ConfigError(
+                f"trainer.debug_nonfinite_at: the model has no module {self.module!r} (e.g. blocks.0.attn)"
+            ) from None
+        self.calls = 0  # a replay counts its micro-batches afresh
+        if self.where == "forward":
+            target.register_forward_hook(self._forward)
+        elif self.where == "backward":
+            target.register_forward_pre_hook(self._count)
+            target.register_full_backward_hook(self._backward)
+
+    def _hit(self) -> bool:
+        return self.live() and (self.micro_batch is None or self.calls - 1 == self.micro_batch)
+
+    def _count(self, _module: nn.Module, _args: tuple) -> None:
+        self.calls += 1
+
+    def _forward(self, _module: nn.Module, _args: tuple, output: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return output * float("nan") if self._hit() else output
+
+    def _backward(self, _module: nn.Module, grad_input: tuple, _grad_output: tuple) -> tuple | None:
+        if not self._hit():
+            return None
+        return tuple(None if g is None else g * float("nan") for g in grad_input)
+
+    def poison_weights(self, model: nn.Module) -> None:
+        """After the step: one weight of the module becomes NaN (its local ZeRO-3 partition when
+        it has one), as an update with non-finite gradients that got through would leave it."""
+        if self.where == "weights" and self.live():
+            p = next(model.get_submodule(self.module).parameters())
+            local = getattr(p, "ds_tensor", p)
+            with torch.no_grad():
+                local.data.view(-1)[0] = float("nan")
 
 
 @dataclass(frozen=True)
@@ -36,6 +119,7 @@ class Faults:
     rank: int = 0
     last_rank: bool = False  # crashes and signals reach the last rank only
     first_attempt: bool = True  # crashes happen on a job's first attempt only (torchrun restarts)
+    nonfinite: tuple[NonfiniteInjection, ...] = ()  # this rank's (trainer.debug_nonfinite_at)
 
     @classmethod
     def of(cls, t: TrainerConfig, rank: int, world_size: int, restarts: int) -> Faults:
@@ -48,10 +132,18 @@ class Faults:
             rank=rank,
             last_rank=rank == world_size - 1,
             first_attempt=restarts == 0,
+            nonfinite=tuple(i for i in map(NonfiniteInjection.parse, t.debug_nonfinite_at) if i.rank == rank),
         )
+
+    def arm(self, model: nn.Module) -> None:
+        """Hook this rank's non-finite injections into `model` (a Transformer)."""
+        for injection in self.nonfinite:
+            injection.arm(model)
 
     def before_step(self, step: int) -> None:
         """A preemption that reaches one rank: the last rank signals itself during `step`."""
+        for injection in self.nonfinite:
+            injection.begin_step(step)
         if step == self.signal_at_step and self.last_rank:
             os.kill(os.getpid(), signal.SIGTERM)
 
@@ -60,6 +152,11 @@ class Faults:
         if micro_batch == 0 and step in self.nan_steps:
             return loss * float("nan")
         return loss
+
+    def after_update(self, model: nn.Module) -> None:
+        """Weights made non-finite after the step's update (trainer.debug_nonfinite_at ...:weights)."""
+        for injection in self.nonfinite:
+            injection.poison_weights(model)
 
     def after_step(self, step: int, prog: str) -> None:
         """A slow step, or the last rank dying abruptly (as a lost node would)."""

@@ -11,8 +11,10 @@ One optimizer step (`Trainer.train_step`): the loader's `grad_accum` micro-batch
 (together the same set of sequences whatever the world size), a forward/backward each through
 the engine, one optimizer step. Each micro-batch's loss is weighted by its share of the step's
 loss weights, so the gradient is that of the step's global weighted mean loss for any split into
-ranks and micro-batches. A step whose loss is NaN/inf is skipped (no update) with a warning, at
-most trainer.max_nan_skips times. Checkpoints: lmsys/engine/checkpoint.py; trainer.resume=auto continues
+ranks and micro-batches. A step whose loss or gradient norm is non-finite, or whose loss diverges,
+is replayed to find where it came from, reported, and skipped, stopped at or rewound from as
+trainer.on_nonfinite says (lmsys/training/health.py), at most trainer.max_nan_skips times.
+Checkpoints: lmsys/engine/checkpoint.py; trainer.resume=auto continues
 from the newest complete one, on any world size and ZeRO stage that splits the global batch
 (lmsys/engine/reshard.py). SIGTERM / SIGUSR1 (preemption) and Ctrl-C stop the run after the step under
 way, with a checkpoint of it, every rank at the same step (lmsys/training/stopping.py): exit 75 or 130.
@@ -44,6 +46,7 @@ from lmsys.interop.exports import initial_model
 from lmsys.model.compiling import compile_errors, compile_stats, compile_summary, say_compiled
 from lmsys.model.transformer import Transformer, next_token_pairs
 from lmsys.training.faults import Faults
+from lmsys.training.health import Event, Health, StepData, scales_of
 from lmsys.training.metrics import MetricsLogger, device_name, device_peak_flops, memory_gb, mfu
 from lmsys.training.preflight import preflight
 from lmsys.training.reporter import Reporter
@@ -70,6 +73,7 @@ class StepResult:
     outcome: eng.StepOutcome
     seconds: float
     stop: str | None = None  # "preempted" | "interrupted": a rank was signalled to stop after this step
+    event: Event | None = None  # the step's loss or gradient was non-finite, or its loss diverged
 
 
 class Trainer:
@@ -91,6 +95,8 @@ class Trainer:
             model, cfg, plan, setup.device, setup.precision
         )
         self.engine_seconds = time.perf_counter() - started
+        self.faults.arm(self.engine.module.model)
+        self.health = Health(cfg, setup, run.run_dir, self.report, self.faults)
         # dynamo's counters are process-wide (a sweep's jobs share a process): this run counts from here
         self.compile_start = compile_stats() if self.engine_info.compiled else None
         self.loader = TokenLoader(
@@ -137,11 +143,13 @@ class Trainer:
             self.report.note(f"resuming {run.resume.tag_dir}: model.init_from={init_from} is ignored")
         return Transformer(self.cfg.model)
 
-    def _resume(self, found: ckpt.Checkpoint) -> None:
+    def _load(self, found: ckpt.Checkpoint) -> None:
+        """The engine, loader, RNG and train state of a checkpoint (a resume, a rewind)."""
         setup, stage = self.setup, self.cfg.deepspeed.stage
         ckpt.load(self.engine, found, setup.world_size, stage, setup.precision)
         rank_state = ckpt.read_rank_state(found, setup.rank, setup.world_size)
         self.loader.load_state_dict(rank_state["loader"])
+        self.loader.skip_steps(self.health.skipped)  # data a rewind left out after this checkpoint
         ckpt.set_rng_state(rank_state["rng"])
         saved = found.state
         self.state = replace(
@@ -152,6 +160,10 @@ class Trainer:
             last_loss=saved.last_loss,
             wandb_id=saved.wandb_id,
         )
+
+    def _resume(self, found: ckpt.Checkpoint) -> None:
+        setup, stage, saved = self.setup, self.cfg.deepspeed.stage, found.state
+        self._load(found)
         how = ""
         if not ckpt.same_layout(saved, setup.world_size, stage, setup.precision):
             how = (
@@ -159,6 +171,9 @@ class Trainer:
                 f"to ZeRO-{stage} on {setup.world_size}, {setup.precision}"
             )
         self.report.note(f"resumed from {found.tag_dir} (step {saved.step}{how})")
+        if self.health.skipped:
+            skipped = len(self.health.skipped)
+            self.report.note(f"never training on the data of {skipped} step(s) a rewind skipped")
         self._say_extension(saved)
 
     def _say_extension(self, saved: ckpt.TrainState) -> None:
@@ -296,9 +311,16 @@ class Trainer:
         dist.all_reduce(totals)
         weighted_loss, preempt, interrupt = totals.tolist()
         step_loss = weighted_loss / global_weight if global_weight > 0 else 0.0
+        # A bad step is replayed before its update, on the weights it ran with (health.py).
+        seen = StepData(step, loader_step, batches, scales_of(weights, global_weight), step_loss)
+        event = self.health.investigate(engine, self.loader, seen, self.health.verdict(step_loss))
         outcome = eng.optimizer_step(engine, math.isfinite(step_loss))
+        if event is None:
+            after = self.health.after_update(step_loss, outcome.grad_norm, outcome.applied)
+            event = self.health.investigate(engine, self.loader, seen, after, outcome.grad_norm)
+        self.faults.after_update(engine.module.model)
         stop = "interrupted" if interrupt else "preempted" if preempt else None
-        return StepResult(step, step_loss, lr, outcome, time.perf_counter() - start, stop)
+        return StepResult(step, step_loss, lr, outcome, time.perf_counter() - start, stop, event)
 
     # -- around the step ------------------------------------------------------------------------
 
@@ -308,13 +330,8 @@ class Trainer:
         state = self.state
         state.step = result.step
         state.tokens_seen += plan.tokens_per_step
-        finite = math.isfinite(result.loss)
-        if not finite:
+        if result.event is not None:
             state.nan_skips += 1
-            self.report.warn(
-                f"step {result.step}: loss is {result.loss}; skipped the update "
-                f"({state.nan_skips} of trainer.max_nan_skips={t.max_nan_skips})"
-            )
         elif not result.outcome.applied:
             self.report.warn(f"step {result.step}: gradient overflow; the update was skipped")
         else:
@@ -342,12 +359,8 @@ class Trainer:
                 skipped=not result.outcome.applied,
             )
         )
-        if state.nan_skips > t.max_nan_skips:
-            raise TrainingError(
-                f"loss was NaN/inf at {state.nan_skips} steps, more than trainer.max_nan_skips="
-                f"{t.max_nan_skips}; stopping at step {result.step} (lower optim.lr or raise "
-                f"optim.warmup_steps; checkpoints in {self.run_dir / rundir.CHECKPOINTS})"
-            )
+        if result.event is not None:
+            self.health.settle(result.event, result.outcome.applied)  # raises to stop the run
 
     def _write_engine_stats(self) -> None:
         """What each rank holds (after the first applied step: Adam's state exists from then on)."""
@@ -417,9 +430,14 @@ class Trainer:
         stop: str | None = None
         try:
             with self.report.steps(self.start_step + 1, t.max_steps):
-                for step in range(self.start_step + 1, t.max_steps + 1):
+                step = self.start_step
+                while step < t.max_steps:
+                    step += 1
                     result = self._first_step(step) if step == self.start_step + 1 else self.train_step(step)
                     self.record(result, time.perf_counter() - started)
+                    if result.event is not None and self.health.policy == "rewind":
+                        step = self._rewind(result.event)
+                        continue
                     if step % t.eval_interval == 0 or step == t.max_steps:
                         self.evaluate_and_log(step, result.loss)
                     if step % t.save_interval == 0 or step == t.max_steps:
@@ -438,6 +456,20 @@ class Trainer:
             self.report.close(exit_code=exc.exit_code if isinstance(exc, Stopped) else 1)
             raise
         self._finish(time.perf_counter() - started)
+
+    def _rewind(self, event: Event) -> int:
+        """trainer.on_nonfinite=rewind: back to the last intact checkpoint, never to train on the
+        event's data again. Returns the checkpoint's step."""
+        found = ckpt.find_latest(self.run_dir, self.report.warn)
+        if found is None:
+            raise TrainingError(
+                f"step {event.step}: {event.what}; trainer.on_nonfinite=rewind has no checkpoint to go "
+                f"back to in {self.run_dir / rundir.CHECKPOINTS} (report: {event.report})"
+            )
+        self.health.skip_data(event, self.loader, found.state.step)
+        self._load(found)
+        self.saved_step = found.state.step
+        return found.state.step
 
     def _first_step(self, step: int) -> StepResult:
         """The launch's first step: under trainer.compile=true a compile failure is one error line."""

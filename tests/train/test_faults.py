@@ -30,7 +30,7 @@ def test_nan_steps_are_skipped_then_training_stops(runs, tmp_path):
         "warning: step 2: loss is nan; skipped the update (1 of trainer.max_nan_skips=1)" in e for e in err
     )
     assert err[-1].startswith(
-        "lmsys-train: error: loss was NaN/inf at 2 steps, more than trainer.max_nan_skips=1"
+        "lmsys-train: error: loss was NaN/inf or diverged at 2 steps, more than trainer.max_nan_skips=1"
     )
     assert "stopping at step 4" in err[-1]
     assert "Traceback" not in run.stderr
