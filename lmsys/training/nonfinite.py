@@ -7,11 +7,11 @@ step's update is never applied, so they are the weights the step ran with). The 
 deterministic: the batches are the step's own, and the model has no dropout. A hook on every
 module watches each micro-batch, in order:
 
-- forward: the first module to finish with a NaN/inf in its output while its inputs and its own
-  weights are finite is where the value appeared. Hooks fire as a module finishes, innermost
-  first, and a module whose inputs were already non-finite only passes the value on, so the
-  origin is named even when it sits in a parent's own code (then the parent is named). A
-  non-finite weight names its module, with the weight.
+- forward: the first module to finish with a NaN/inf in its output while its inputs are finite
+  is where the value appeared. Hooks fire as a module finishes, innermost first, and a module
+  whose inputs were already non-finite only passes the value on, so the origin is named even
+  when it sits in a parent's own code (then the parent is named). A non-finite weight among the
+  module's own or its submodules' names the weight's owner, with the weight.
 - backward: the first module whose gradient with respect to its inputs is non-finite while the
   gradient reaching its output is finite; failing that, the first module with a non-finite weight
   gradient.
@@ -87,11 +87,16 @@ class _Watch:
     def _forward(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
         if self.found is not None or _finite(output):
             return
-        bad = [n for n, p in module.named_parameters(recurse=False) if not _finite(p)]
-        if bad:
-            self.found = (name, "forward", f"weight {name}.{bad[0]}")
-        elif _finite(args):
+        if not _finite(args):
+            return  # it only carries on a value that appeared before it
+        # A non-finite weight of a submodule the module calls other than through its forward
+        # (e.g. Norm.add_norm), or its own: named by the weight's owner.
+        bad = next((n for n, p in module.named_parameters() if not _finite(p)), None)
+        if bad is None:
             self.found = (name, "forward", "output")
+        else:
+            full = f"{name}.{bad}"
+            self.found = (full.rsplit(".", 1)[0], "forward", f"weight {full}")
 
     def _backward(self, name: str, _module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
         if self.found is None and not _finite(grad_input) and _finite(grad_output):

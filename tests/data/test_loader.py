@@ -243,3 +243,33 @@ def test_batch_arguments_are_checked(data):
         )
     with pytest.raises(DataError, match="has no split 'test'"):
         data.split("test")
+
+
+def test_skipped_steps_are_never_trained_on_and_survive_a_resume(data):
+    """A rewind's skipped stream steps (trainer.on_nonfinite=rewind): the loader moves past them,
+    its state carries them, and a restored loader skips them too."""
+    plain = global_steps(data, 1, 5)  # [step][rank] rows
+    skipping = loader(data)
+    skipping.skip_steps([1, 3])
+    seen = [rows(skipping.next_batch()) for _ in range(3)]
+    assert seen == [plain[0][0], plain[2][0], plain[4][0]]
+    state = json.loads(json.dumps(skipping.state_dict()))
+    assert state["skipped_steps"] == [1, 3] and state["step"] == 5
+    early = loader(data)  # a checkpoint from before the skips, told of them afterwards
+    early.load_state_dict({**loader(data).state_dict(), "skipped_steps": []})
+    early.skip_steps([1, 3])
+    assert [rows(early.next_batch()) for _ in range(2)] == seen[:2]
+    restored = loader(data)
+    restored.load_state_dict({**state, "step": 0})  # the state's skips come with it
+    assert [rows(restored.next_batch()) for _ in range(2)] == seen[:2]
+    # provenance: where each sequence of a micro-batch comes from, by the loader's own cut
+    (entry,) = loader(data, micro=1).provenance(2, 0)[:1]
+    first = loader(data, micro=1).sample_indices(2, 0)[0]
+    assert entry["sample"] == first and entry["shard"].endswith(".bin")
+    assert data.split("train").read(entry["split_offset"], S).tolist() == rows_of(data, entry)
+
+
+def rows_of(data, entry) -> list[int]:
+    """The tokens of a provenance entry, read from its shard file at its offset."""
+    shard = np.memmap(data.dir / entry["shard"], dtype=data.dtype, mode="r")
+    return shard[entry["shard_offset"] : entry["shard_offset"] + entry["tokens"]].tolist()
