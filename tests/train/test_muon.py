@@ -17,10 +17,11 @@ import shutil
 import pytest
 import torch
 
+from lmsys.core.config import compose
 from lmsys.engine import checkpoint as ckpt
 from lmsys.engine.muon import split_parameters
 from lmsys.engine.reshard import MOMENTS, MUON_MOMENTS, SavedState, trainable_in_optimizer_order
-from lmsys.engine.zero import LossModule, consolidated_state_dict
+from lmsys.engine.zero import LossModule, consolidated_state_dict, lr_at
 from lmsys.model.transformer import Transformer
 from tests.train.conftest import MAX_STEPS, copy_run, run_train
 from tests.train.test_matrix import assert_losses_close
@@ -46,6 +47,12 @@ def test_muon_with_offload_matches(runs):
 def test_muon_is_muon_and_learns(runs):
     run = runs.get("1proc-muon-zero2").check()
     assert run.stats()["engine"]["optimizer"] == "DeepSpeed Muon + AdamW"
+    optim = compose(
+        ["optim=muon", "optim.lr=3e-3", "optim.warmup_steps=2", "optim.schedule=wsd", "optim.decay_frac=0.5"]
+    ).optim
+    for r in run.records("train"):  # the warmup-stable-decay curve, end to end
+        assert r["lr"] == pytest.approx(lr_at(r["step"], optim, MAX_STEPS), rel=1e-12)
+    assert [r["lr"] for r in run.records("train")][1:3] == pytest.approx([3e-3] * 2)  # stable
     muon, adamw = run.losses(), runs.get("1proc").check().losses()
     assert muon[1] == pytest.approx(adamw[1], rel=1e-6)  # same model, same batch
     assert all(abs(muon[s] - adamw[s]) > 1e-3 for s in range(3, MAX_STEPS + 1)), (muon, adamw)
