@@ -16,7 +16,8 @@ line, exit 2), then the jobs run one after the other, each as
 its own W&B run, grouped under the sweep's name (the sweep directory's name unless --name or a
 logger.group override is given). `<sweep_dir>/sweep.json` records every job's overrides, status,
 exit code and duration as it goes; at the end `lmsys.sweep.summary.summarize` prints the comparison table
-and writes summary.csv and losses.png into the sweep directory.
+and writes summary.csv, groups.csv (seed statistics per configuration; with --baseline KEY=VALUE the
+paired differences from that configuration) and losses.png into the sweep directory.
 
 Running the same command with the same --sweep-dir again skips the completed jobs and restarts
 the others (trainer.resume=auto continues each from its newest checkpoint): a sweep inside a
@@ -174,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keep-going", action="store_true", help="run the remaining jobs after a failure")
     parser.add_argument("--dry-run", action="store_true", help="print the jobs' commands and exit")
     parser.add_argument("--no-plot", action="store_true", help="no losses.png in the summary")
+    parser.add_argument(
+        "--baseline",
+        metavar="KEY=VALUE",
+        help="compare every configuration with this one seed by seed (e.g. optim=adamw; docs/sweeps.md)",
+    )
     return parser
 
 
@@ -323,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         exit_code = _run_jobs(index, commands, args.keep_going, save)
         if primary:
             try:
-                summarize(sweep_dir, plot_png=not args.no_plot)
+                summarize(sweep_dir, plot_png=not args.no_plot, baseline=args.baseline)
             except ConfigError as exc:
                 warn(PROG, f"no summary: {exc}")
         return exit_code

@@ -38,6 +38,8 @@ BLOCK_KINDS = ("none", "pre", "post", "parallel")
 SOFTMAX_KINDS = ("row", "matrix")
 KERNEL_CHOICES = ("auto", "triton", "torch")
 LOSS_IMPLS = ("auto", "fused", "chunked", "full")
+OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "wsd")
 
 
 def compile_choice(value: object) -> str:
@@ -144,10 +146,15 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
-    lr: float = 6e-4
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    name: str = "adamw"  # adamw | muon (Muon on the blocks' matrices, AdamW on the rest)
+    lr: float = 6e-4  # AdamW's peak lr (under muon: embeddings, unembedding, norms, biases)
+    min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio
     warmup_steps: int = 100
+    schedule: str = "cosine"  # cosine | wsd (warmup, stable at lr, linear decay over decay_frac)
+    decay_frac: float = 0.2  # wsd: the share of the schedule's steps spent decaying
+    muon_lr: float = 0.02  # optim=muon: peak lr of the hidden matrices (follows lr's schedule)
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.0  # decoupled, like AdamW's: w *= 1 - lr * wd
     # The step at which the cosine reaches its floor; 0: trainer.max_steps of the run's first launch.
     # A resumed run with a higher trainer.max_steps keeps its schedule (the lr stays at the floor
     # after it) unless this is set: e.g. optim.decay_steps=<new max_steps> stretches the cosine.
@@ -378,6 +385,20 @@ def validate(cfg: Config) -> Config:
     _require(bool(d.text_field), "data.text_field must not be empty")
     _require(bool(d.dir), "data.dir must not be empty")
     _require(o.lr > 0, f"optim.lr={o.lr} must be > 0")
+    _one_of("optim.name", o.name, OPTIMIZERS)
+    _one_of("optim.schedule", o.schedule, SCHEDULES)
+    _require(0 < o.decay_frac <= 1, f"optim.decay_frac={o.decay_frac} must be in (0, 1]")
+    _require(o.muon_lr > 0, f"optim.muon_lr={o.muon_lr} must be > 0")
+    _require(0 <= o.muon_momentum < 1, f"optim.muon_momentum={o.muon_momentum} must be in [0, 1)")
+    _require(o.muon_weight_decay >= 0, f"optim.muon_weight_decay={o.muon_weight_decay} must be >= 0")
+    if o.name == "muon":
+        # DeepSpeed's ZeRO 1-2 put the orthogonalized update where the gradient was before
+        # clipping, so a clip there would scale Muon's step, not the gradient (unlike at ZeRO 0).
+        _require(
+            o.grad_clip == 0,
+            f"optim=muon needs optim.grad_clip=0 (got {o.grad_clip}): Muon's step is orthogonalized, its "
+            "size set by optim.muon_lr, and DeepSpeed would clip the update rather than the gradient",
+        )
     _require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
     _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
     _require(o.decay_steps >= 0, f"optim.decay_steps={o.decay_steps} must be >= 0 (0: trainer.max_steps)")

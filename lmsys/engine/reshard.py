@@ -42,9 +42,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from lmsys.core.errors import CheckpointError
+from lmsys.engine.muon import split_parameters, uses_muon
 from lmsys.engine.zero import innermost_optimizer, param_groups, safe_torch_load
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-element state; "step" is one count per tensor
+MUON_MOMENTS = ("momentum_buffer",)  # Muon's (optim=muon's hidden matrices): no step count
+ELEMENT_STATES = (*MOMENTS, *MUON_MOMENTS)
 
 
 @dataclass
@@ -52,7 +55,7 @@ class ParamState:
     """One parameter's optimizer-side state, whole (not partitioned), fp32."""
 
     master: torch.Tensor  # the fp32 master weights, in the parameter's shape
-    moments: dict[str, torch.Tensor]  # exp_avg, exp_avg_sq (absent before the first step)
+    moments: dict[str, torch.Tensor]  # exp_avg, exp_avg_sq or Muon's momentum_buffer (none before a step)
     step: float | None  # Adam's step count (None before the first step)
 
 
@@ -114,7 +117,7 @@ class _Partition:
     def piece(self, group: int, start: int, numel: int) -> dict[str, torch.Tensor]:
         """master and moments of elements [start, start + numel) of flat `group`."""
         out = {"master": self.flats[group].narrow(0, start, numel)}
-        for key in MOMENTS:
+        for key in ELEMENT_STATES:
             if key in self.states[group]:
                 out[key] = self.states[group][key].narrow(0, start, numel)
         return out
@@ -125,7 +128,8 @@ def _join(pieces: list[dict[str, torch.Tensor]], shape: torch.Size, step: float 
     n = shape.numel()
     whole = {k: torch.cat([p[k] for p in pieces])[:n].float().view(shape) for k in pieces[0]}
     master = whole.pop("master")
-    return ParamState(master, whole if len(whole) == len(MOMENTS) else {}, step)
+    complete = set(whole) in ({*MOMENTS}, {*MUON_MOMENTS})
+    return ParamState(master, whole if complete else {}, step)
 
 
 class SavedState:
@@ -222,7 +226,7 @@ class SavedState:
         """The whole state of parameter `name`, whose shape in the model is `shape`."""
         if hasattr(self, "_replicated"):
             master, state = self._replicated[name]
-            moments = {k: state[k] for k in MOMENTS if k in state}
+            moments = {k: state[k] for k in ELEMENT_STATES if k in state}
             pieces = [{"master": master.reshape(-1), **{k: v.reshape(-1) for k, v in moments.items()}}]
             result = _join(pieces, master.shape, _step(state))
         elif hasattr(self, "_fragments"):
@@ -250,8 +254,11 @@ class SavedState:
 
 
 def trainable_in_optimizer_order(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """(name, parameter) in the order lmsys.engine.zero.param_groups hands them to the optimizer."""
+    """(name, parameter) in the order lmsys.engine.zero.param_groups (or, for a module trained
+    with optim=muon, lmsys.engine.muon.split_parameters) hands them to the optimizer."""
     names = {id(p): name for name, p in module.named_parameters()}
+    if uses_muon(module):
+        return [(names[id(p)], p) for part in split_parameters(module) for p in part]
     return [(names[id(p)], p) for group in param_groups(module, 0.0) for p in group["params"]]
 
 
@@ -263,13 +270,15 @@ class _Writer:
         self.tensor_steps = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
         self.steps: dict[int, float] = {}  # id(flat tensor) -> its step count
 
-    def state_of(self, flat: torch.Tensor) -> dict[str, Any]:
+    def state_of(self, flat: torch.Tensor, moments: tuple[str, ...] = MOMENTS) -> dict[str, Any]:
         """The optimizer's state of one tensor it updates, created now if it has not stepped
-        yet (Adam creates its state lazily and keeps what it finds)."""
+        yet (Adam and Muon create their state lazily and keep what they find): `moments` are
+        the per-element keys (Adam's, with a step count, or Muon's, without)."""
         state = self.optimizer.state[flat]
-        if not all(k in state for k in ("step", *MOMENTS)):
-            state["step"] = torch.zeros((), dtype=torch.float32) if self.tensor_steps else 0
-            state.update({k: torch.zeros_like(flat, dtype=torch.float32) for k in MOMENTS})
+        if not all(k in state for k in moments):
+            if moments == MOMENTS:
+                state["step"] = torch.zeros((), dtype=torch.float32) if self.tensor_steps else 0
+            state.update({k: torch.zeros_like(flat, dtype=torch.float32) for k in moments})
         return state
 
     def set_step(self, flat: torch.Tensor, step: float | None) -> None:
@@ -288,7 +297,7 @@ class _Writer:
         """Elements `values` of the flattened parameter into tensor[offset:...] (flattened), and
         the same elements of its moments into the optimizer's state of `tensor`."""
         numel = values.stop - values.start
-        optimizer_state = self.state_of(tensor)
+        optimizer_state = self.state_of(tensor, tuple(state.moments) or MOMENTS)
         for key, whole in [("master", state.master), *state.moments.items()]:
             target = tensor if key == "master" else optimizer_state[key]
             target.view(-1).narrow(0, offset, numel).copy_(whole.reshape(-1)[values])

@@ -11,13 +11,13 @@ Parallelism is applied to the single-device `Transformer` from outside, in this 
    block (ZeRO-3, blocks made ZeRO-3 leaf modules), before DeepSpeed registers its hooks.
 4. `build_optimizer`: AdamW, weight decay only on matrices (>= 2-D weights, embeddings
    included); torch's AdamW on CPU, DeepSpeed's fused Adam on CUDA (its CPU Adam when the
-   optimizer state is offloaded).
+   optimizer state is offloaded). optim=muon: DeepSpeed's MuonWithAuxAdam (lmsys.engine.muon).
 5. `deepspeed_config` + `deepspeed.initialize`: the DeepSpeed JSON generated from the config
    groups (ZeRO stage and offload, precision, micro-batch, accumulation, clipping).
 
 During training `optimizer_step` is the accumulation boundary: it applies the update or, for a
 non-finite loss, skips it, whatever the ZeRO stage. The learning rate follows `lr_at(step)`
-(linear warmup, cosine decay to lr * min_lr_ratio); the train loop writes it into the
+(linear warmup, cosine or warmup-stable-decay to lr * min_lr_ratio); the train loop writes it into the
 optimizer's param groups before each step, so the schedule is a pure function of the step and a
 resumed run follows it exactly without scheduler state.
 
@@ -55,6 +55,7 @@ from torch.utils.checkpoint import checkpoint
 from lmsys.core.config import Config, OptimConfig, compile_choice
 from lmsys.core.errors import CheckpointError
 from lmsys.core.runtime import BatchPlan
+from lmsys.engine.muon import build_muon
 from lmsys.model.compiling import compile_blocks, compile_module, wants_compile
 
 # ----------------------------------------------------------------------------- the process group
@@ -211,14 +212,19 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 def lr_at(step: int, optim: OptimConfig, max_steps: int) -> float:
     """Learning rate of optimizer step `step` (1-based): linear warmup over optim.warmup_steps,
-    then cosine decay from optim.lr to optim.lr * optim.min_lr_ratio at optim.decay_steps (when
-    set, else max_steps), constant after it."""
+    then down to optim.lr * optim.min_lr_ratio at optim.decay_steps (when set, else max_steps),
+    constant after it. optim.schedule=cosine: a cosine from the warmup's end; wsd
+    (warmup-stable-decay): optim.lr until the last optim.decay_frac of the horizon, then linear."""
     if optim.warmup_steps > 0 and step <= optim.warmup_steps:
         return optim.lr * step / optim.warmup_steps
     horizon = optim.decay_steps or max_steps
+    min_lr = optim.lr * optim.min_lr_ratio
+    if optim.schedule == "wsd":
+        decay_start = max(optim.warmup_steps, horizon - round(optim.decay_frac * horizon))
+        progress = min(1.0, max(0.0, (step - decay_start) / max(1, horizon - decay_start)))
+        return optim.lr - (optim.lr - min_lr) * progress
     decay_steps = max(1, horizon - optim.warmup_steps)
     progress = min(1.0, max(0.0, (step - optim.warmup_steps) / decay_steps))
-    min_lr = optim.lr * optim.min_lr_ratio
     return min_lr + 0.5 * (optim.lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
@@ -227,13 +233,17 @@ def _adam_kwargs(optim: OptimConfig) -> dict[str, Any]:
 
 
 def build_optimizer(
-    model: nn.Module, cfg: Config, device: torch.device
+    model: nn.Module, cfg: Config, device: torch.device, compiled: bool = False
 ) -> tuple[torch.optim.Optimizer | None, dict[str, Any] | None, list[dict[str, Any]], str]:
     """(client optimizer, DeepSpeed "optimizer" JSON section, param groups, description).
 
-    CPU: torch.optim.AdamW as a client optimizer. CUDA: DeepSpeed builds its fused Adam (or, with
-    the optimizer state offloaded, its CPU Adam) from the JSON section, in AdamW mode.
+    optim=muon: DeepSpeed's MuonWithAuxAdam, built by lmsys.engine.muon (why there). CPU:
+    torch.optim.AdamW as a client optimizer. CUDA: DeepSpeed builds its fused Adam (or, with the
+    optimizer state offloaded, its CPU Adam) from the JSON section, in AdamW mode.
     """
+    if cfg.optim.name == "muon":
+        optimizer, muon_groups = build_muon(model, cfg.optim, compiled)
+        return optimizer, None, muon_groups, "DeepSpeed Muon + AdamW"
     groups = param_groups(model, cfg.optim.weight_decay)
     if device.type == "cuda":
         section = {
@@ -280,6 +290,8 @@ def deepspeed_config(
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
     if ds.stage == 3:
         zero["stage3_param_persistence_threshold"] = ds.param_persistence_threshold
+        if cfg.optim.name == "muon":  # DeepSpeed's ZeRO-3 Muon all-reduces whole gradients
+            zero["reduce_scatter"] = False
         zero["stage3_prefetch_bucket_size"] = ds.allgather_bucket_size
     config: dict[str, Any] = {
         "train_batch_size": plan.global_batch_sequences,
@@ -341,7 +353,7 @@ def initialize(
     compiled = wants_compile(choice, device)
     if compiled:  # before DeepSpeed wraps it (and registers its ZeRO-3 hooks)
         apply_compile(model, module, cfg.deepspeed.stage, strict=choice == "true")
-    client_opt, opt_section, groups, opt_kind = build_optimizer(model, cfg, device)
+    client_opt, opt_section, groups, opt_kind = build_optimizer(model, cfg, device, compiled)
     ds_config = deepspeed_config(cfg, plan, device, precision, opt_section)
     engine, _, _, _ = deepspeed.initialize(
         model=module,
@@ -425,8 +437,9 @@ def optimizer_step(engine: Any, loss_is_finite: bool) -> StepOutcome:
 
 
 def set_lr(engine: Any, lr: float) -> None:
+    """The schedule's lr into every param group, times the group's `lr_scale` (Muon's groups)."""
     for group in engine.optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
 def innermost_optimizer(opt: Any) -> Any:

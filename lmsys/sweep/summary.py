@@ -10,8 +10,15 @@ by the config values that differ between the jobs, and writes
   last validation loss, else lowest last training loss);
 - `summary.csv` in the sweep directory: the same and more (run directory, overrides);
 - `losses.png`: the training loss (left) and validation loss (right) of every job against the
-  optimizer step, side by side on shared axes.
-`SummaryCallback` writes it at the end of every `lmsys-train -m` (conf/config.yaml).
+  optimizer step, side by side on shared axes; when jobs repeat a configuration with other seeds,
+  one mean line per configuration with a band of +-1 standard deviation over its seeds;
+- `groups.csv` (lmsys/sweep/stats.py): one row per configuration (the jobs equal in everything
+  but trainer.seed) with n and, for the last and best validation loss, the last training loss
+  and tokens/s, `<metric>_mean`, `_std` and `_ci95` (Student t); with a baseline
+  (`--baseline optim=adamw`) also the paired per-seed differences from it: `delta_<metric>_mean`,
+  `_ci95`, `_p` (paired t-test) and `pairs`. The same, shortened, as a second table.
+`SummaryCallback` writes it at the end of every `lmsys-train -m` (conf/config.yaml; its baseline:
+`'hydra.callbacks.sweep_summary.baseline="optim=adamw"'`).
 """
 
 from __future__ import annotations
@@ -36,10 +43,12 @@ from lmsys.core.console import warn
 from lmsys.core.errors import ConfigError
 from lmsys.engine.rundir import CONFIG_FILE, METRICS_FILE, read_config, read_metrics
 from lmsys.sweep.multirun import MULTIRUN_FILE, SWEEP_FILE, expand_sweep, is_hydra_override, sweep_name
-from lmsys.training.plots import plot_sweep
+from lmsys.sweep.stats import Group, Paired, Spread, group_jobs, paired_against
+from lmsys.training.plots import plot_sweep, plot_sweep_groups
 
 PROG = "lmsys-sweep"
 CSV_FILE = "summary.csv"
+GROUPS_FILE = "groups.csv"
 PLOT_FILE = "losses.png"
 # Values that differ between jobs by construction, never what distinguishes them.
 NOT_DISTINGUISHING = ("trainer.run_dir", "logger.group", "logger.tags")
@@ -300,6 +309,78 @@ def job_label(job: Job, keys: Sequence[str]) -> str:
     return f"{job.name}: " + " ".join(parts) if parts else job.name
 
 
+# ----------------------------------------------------------------------------- seed statistics
+
+# groups.csv's metrics: name -> the value of one job
+GROUP_METRICS: dict[str, Any] = {
+    "final_val_loss": lambda job: job.final("val"),
+    "best_val_loss": lambda job: job.best("val"),
+    "final_loss": lambda job: job.final("train"),
+    "tokens_per_s": lambda job: job.tokens_per_s,
+}
+
+
+def group_rows(groups: Sequence[Group], paired: dict[str, dict[int, Paired]]) -> list[dict[str, Any]]:
+    """groups.csv: one row per configuration. `paired`: metric -> group index -> differences."""
+    out = []
+    for index, group in enumerate(groups):
+        row: dict[str, Any] = {"group": group.label, **group.values, "n": len(group.jobs)}
+        row["seeds"] = " ".join(str(j.config.get("trainer.seed")) for j in group.jobs)
+        for name, metric in GROUP_METRICS.items():
+            spread = Spread.of([metric(job) for job in group.jobs])
+            row.update({f"{name}_mean": spread.mean, f"{name}_std": spread.std, f"{name}_ci95": spread.ci95})
+        for name, by_group in paired.items():
+            if index in by_group:
+                diff = by_group[index]
+                row.update(
+                    {
+                        f"delta_{name}_mean": diff.mean,
+                        f"delta_{name}_ci95": diff.ci95,
+                        f"delta_{name}_p": diff.p_value,
+                        "pairs": diff.pairs,
+                    }
+                )
+        out.append(row)
+    return out
+
+
+def _pm(mean: float | None, ci: float | None) -> str:
+    return "-" if mean is None else _fmt(mean) + ("" if ci is None else f" +-{_fmt(ci)}")
+
+
+def format_groups(table: list[dict[str, Any]], baseline: str | None) -> str:
+    """The configurations: n, mean +- ci95 of the losses, and the difference from the baseline."""
+    header = ["configuration", "n", "val last", "val best", "loss last", "tok/s"]
+    if baseline:
+        header += [f"val last - {baseline}", "p"]
+    lines = []
+    for row in table:
+        line = [row["group"], str(row["n"])]
+        line += [
+            _pm(row[f"{m}_mean"], row[f"{m}_ci95"]) for m in ("final_val_loss", "best_val_loss", "final_loss")
+        ]
+        line.append("-" if row["tokens_per_s_mean"] is None else f"{row['tokens_per_s_mean']:,.0f}")
+        if baseline:
+            if "delta_final_val_loss_mean" in row:
+                p = row["delta_final_val_loss_p"]
+                line += [
+                    _pm(row["delta_final_val_loss_mean"], row["delta_final_val_loss_ci95"]),
+                    "-" if p is None else f"{p:.3g}",
+                ]
+            else:
+                line += ["(baseline)", ""]
+        lines.append(line)
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *lines)]
+    text = io.StringIO()
+    for i, line in enumerate([header, *lines]):
+        text.write("  ".join(str(cell).ljust(w) for cell, w in zip(line, widths)).rstrip() + "\n")
+        if i == 0:
+            text.write("  ".join("-" * w for w in widths) + "\n")
+    text.write("(mean +-95% confidence half-width over seeds, Student t")
+    text.write("; differences paired by trainer.seed, two-sided paired t-test)\n" if baseline else ")\n")
+    return text.getvalue()
+
+
 @dataclass
 class Summary:
     jobs: list[Job]
@@ -307,23 +388,49 @@ class Summary:
     table: str
     csv_path: Path
     plot_path: Path | None
+    groups_path: Path | None = None
+    groups: list[dict[str, Any]] = field(default_factory=list)
 
 
-def summarize(sweep_dir: str | Path, plot_png: bool = True, out: Any = None) -> Summary:
-    """Read a sweep directory, print the table, write summary.csv and losses.png into it."""
+def summarize(
+    sweep_dir: str | Path, plot_png: bool = True, out: Any = None, baseline: str | None = None
+) -> Summary:
+    """Read a sweep directory, print the tables, write summary.csv, groups.csv and losses.png
+    into it. `baseline`: KEY=VALUE of the group the others are compared with, seed by seed
+    (ConfigError when no job matches it)."""
     root = Path(sweep_dir)
     jobs = find_jobs(root)
     keys = distinguishing_keys(jobs)
     table = format_table(jobs, keys)
     csv_path = root / CSV_FILE
     write_csv(csv_path, rows(jobs, keys))
-    labels = [job_label(job, keys) for job in jobs]
-    plot_path = plot_sweep(jobs, labels, root / PLOT_FILE, f"sweep {sweep_name(root)}") if plot_png else None
+    groups = group_jobs(jobs, keys)
+    paired: dict[str, dict[int, Paired]] = {}
+    if baseline:
+        try:
+            paired = {
+                name: paired_against(groups, baseline, metric) for name, metric in GROUP_METRICS.items()
+            }
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+    grouped = group_rows(groups, paired)
+    groups_path = root / GROUPS_FILE
+    write_csv(groups_path, grouped)
+    repeated = any(len(g.jobs) > 1 for g in groups)
+    plot_path = None
+    if plot_png and repeated:
+        plot_path = plot_sweep_groups(groups, root / PLOT_FILE, f"sweep {sweep_name(root)}")
+    elif plot_png:
+        labels = [job_label(job, keys) for job in jobs]
+        plot_path = plot_sweep(jobs, labels, root / PLOT_FILE, f"sweep {sweep_name(root)}")
     stream = sys.stdout if out is None else out
     stream.write(f"{PROG}: {len(jobs)} job(s) in {root}\n{table}")
-    stream.write(f"{PROG}: wrote {csv_path}" + (f" and {plot_path}" if plot_path else "") + "\n")
+    if repeated or baseline:
+        stream.write(f"{PROG}: {len(groups)} configuration(s)\n{format_groups(grouped, baseline)}")
+    written = [str(csv_path), str(groups_path), *([str(plot_path)] if plot_path else [])]
+    stream.write(f"{PROG}: wrote {', '.join(written)}\n")
     stream.flush()
-    return Summary(jobs, keys, table, csv_path, plot_path)
+    return Summary(jobs, keys, table, csv_path, plot_path, groups_path, grouped)
 
 
 # ----------------------------------------------------------------------------- at the end of a multirun
@@ -337,8 +444,9 @@ class SummaryCallback(Callback):
     Hydra raises at the end of the sweep instead of calling on_multirun_end: the summary is then
     written on the way out (atexit), after Hydra's report, with the failed jobs marked."""
 
-    def __init__(self) -> None:
+    def __init__(self, baseline: str | None = None) -> None:
         self._sweep_dir: Path | None = None
+        self._baseline = baseline  # KEY=VALUE: the group the others are compared with
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         if os.environ.get("RANK", "0") != "0":
@@ -354,6 +462,6 @@ class SummaryCallback(Callback):
         if sweep_dir is None:
             return
         try:
-            summarize(sweep_dir)
+            summarize(sweep_dir, baseline=self._baseline)
         except Exception as exc:  # a summary is a courtesy: it never fails the sweep
             warn(PROG, f"no sweep summary ({type(exc).__name__}: {exc})")

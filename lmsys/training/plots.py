@@ -101,3 +101,42 @@ def plot_sweep(jobs: Sequence[Any], labels: Sequence[str], path: Path, title: st
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def plot_sweep_groups(groups: Sequence[Any], path: Path, title: str) -> Path | None:
+    """losses.png of a sweep that repeats configurations over seeds: per configuration (a
+    lmsys.sweep.stats.Group) the mean training (left) and validation (right) loss of its jobs at
+    every step they all reached, with a band of +-1 standard deviation between them."""
+    if not any(j.train or j.val for g in groups for j in g.jobs):
+        return None
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), dpi=110, sharex=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, group in enumerate(groups):
+        color = colors[i % len(colors)]
+        label = f"{group.label} (n={len(group.jobs)})"
+        for ax, which in zip(axes, ("train", "val")):
+            series = [dict(getattr(j, which)) for j in group.jobs if getattr(j, which)]
+            if not series:
+                continue
+            steps = sorted(set.intersection(*(set(s) for s in series)))
+            values = [[s[step] for s in series] for step in steps]
+            mean = [sum(v) / len(v) for v in values]
+            std = [math.sqrt(sum((x - m) ** 2 for x in v) / max(1, len(v) - 1)) for v, m in zip(values, mean)]
+            ax.plot(steps, mean, "-" if which == "train" else "o-", color=color, lw=1.2, ms=3, label=label)
+            ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                            color=color, alpha=0.2, lw=0)  # fmt: skip
+    for ax, name in zip(axes, ("training loss (mean, +-1 std over seeds)", "validation loss")):
+        ax.set_title(name)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("cross-entropy (nats/token)")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(
+        handles, labels, loc="lower center", ncol=min(3, max(1, len(labels))), fontsize=8, frameon=False
+    )
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, min(0.4, 0.06 * math.ceil(len(labels) / 3) + 0.02), 1, 1))
+    fig.savefig(path)
+    plt.close(fig)
+    return path

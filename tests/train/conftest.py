@@ -206,6 +206,22 @@ LAUNCHES["compiled"] = Launch(
     ("2proc-zero2-compiled", "2proc-zero3-compiled"),
     "2proc-zero${deepspeed.stage}-compiled",
 )
+# optim=muon (DeepSpeed's MuonWithAuxAdam) at ZeRO 0-3 on 2 ranks, one sweep, against 1 process;
+# with the warmup-stable-decay schedule (decaying over the last 3 of 6 steps)
+MUON = ("optim=muon", "optim.schedule=wsd", "optim.decay_frac=0.5")
+LAUNCHES["muon"] = Launch(
+    2,
+    ("-m", "deepspeed=zero0,zero1,zero2,zero3", "trainer.micro_batch_size=4", *MUON),
+    ("2proc-zero0-muon", "2proc-zero1-muon", "2proc-zero2-muon", "2proc-zero3-muon"),
+    "2proc-zero${deepspeed.stage}-muon",
+)
+# ... and on 1 process at ZeRO-2 (the reference) and ZeRO-3 with everything offloaded
+LAUNCHES["muon1"] = Launch(
+    1,
+    ("-m", "deepspeed=zero2,zero3_offload", "trainer.micro_batch_size=8", *MUON),
+    ("1proc-muon-zero2", "1proc-muon-zero3"),
+    "1proc-muon-zero${deepspeed.stage}",
+)
 CASES = {case: launch for launch, spec in LAUNCHES.items() for case in spec.cases}
 
 
@@ -232,7 +248,7 @@ class RunCache:
             if o.startswith("deepspeed=zero") and "," in o:  # a sweep over stages: this case's
                 stage = re.search(r"zero(\d)", case)
                 assert stage is not None
-                plain.append(f"deepspeed=zero{stage.group(1)}")
+                plain.append("deepspeed=" + next(v for v in o[10:].split(",") if v[4] == stage.group(1)))
         return [*data_overrides(self.data_dir), *plain]
 
     def get(self, case: str) -> Run:
