@@ -471,9 +471,11 @@ def check_training_config(overrides: list[str], world_size: int) -> None:
     failure and torchrun's."""
     # lmsys's config and checks import Hydra and torch: only for lmsys.train launches.
     from lmsys.core.config import compose
-    from lmsys.training.preflight import preflight
+    from lmsys.training.preflight import check_run_dir_free, preflight
 
-    preflight(compose(overrides), world_size)
+    cfg = compose(overrides)
+    check_run_dir_free(cfg)  # a second launch into a running run's directory: one line, no workers
+    preflight(cfg, world_size)
 
 
 def run_torchrun(plan: Plan, overrides: list[str]) -> int:

@@ -502,6 +502,7 @@ def train(cfg: Config, step_hook: Callable[[int], None] | None = None) -> Path:
     step_hook(step), if given, runs at the end of every step (see `Trainer.fit`)."""
     stop = StopRequest()  # from now on SIGTERM / SIGUSR1 stop the run after a step, with a checkpoint
     stop.install()
+    run: RunPlan | None = None
     try:
         # every mistake in the batch or the data is reported before the process group forms
         data = preflight(cfg, env_dist_info().world_size).data
@@ -522,4 +523,6 @@ def train(cfg: Config, step_hook: Callable[[int], None] | None = None) -> Path:
         trainer.fit(step_hook)
     finally:
         stop.restore()
+        if run is not None and run.lock is not None:
+            run.lock.release()  # a sweep's next job in this process may need it
     return run.run_dir
