@@ -31,7 +31,8 @@ PROMPT ?= The module
 # ranks save their step and the launch ends with one line (exit 130 / 75), no agent traceback.
 train: $(VENV)/.installed
 	$(PY) -m lmsys.prepare
-	$(PY) -m launch.torchrun --nproc $(NPROC) -- model=tiny deepspeed=zero2 trainer.run_dir=$(RUN) $(ARGS)
+	LMSYS_RESUME_COMMAND='make train RUN=$(RUN)$(if $(ARGS), ARGS="$(ARGS)")' \
+		$(PY) -m launch.torchrun --nproc $(NPROC) -- model=tiny deepspeed=zero2 trainer.run_dir=$(RUN) $(ARGS)
 	$(PY) -m lmsys.export $(RUN)
 	$(PY) -m lmsys.generate $(RUN)/export prompt="$(PROMPT)" max_new_tokens=60 temperature=0.8 top_k=40 seed=0
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -57,6 +58,7 @@ from lmsys.core.errors import EXIT_REQUEUE, ConfigError, Stopped, UsageError  # 
 from lmsys.core.files import atomic_write_text  # noqa: E402
 from lmsys.sweep.multirun import SWEEP_FILE, check_jobs, expand_sweep, sweep_name  # noqa: E402
 from lmsys.sweep.summary import summarize  # noqa: E402
+from lmsys.training.stopping import RESUME_COMMAND_ENV  # noqa: E402
 
 PROG = "lmsys-sweep"
 TORCHRUN = Path(__file__).resolve().with_name("torchrun.py")
@@ -319,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
             for i, command in enumerate(commands):
                 print(f"job {i + 1}/{len(commands)}: {' '.join(command)}")
             return 0
+        # what a job stopped by a signal names as the command that continues: this sweep, again
+        again = [] if args.sweep_dir else ["--sweep-dir", str(sweep_dir)]
+        os.environ.setdefault(RESUME_COMMAND_ENV, shlex.join(["python", "-m", "launch.sweep", *again, *argv]))
         index = _open_index(sweep_dir, group, overrides, jobs)
         save = (lambda: _write_index(sweep_dir / SWEEP_FILE, index)) if primary else (lambda: None)
         save()

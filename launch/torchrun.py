@@ -67,6 +67,7 @@ if str(REPO_ROOT) not in sys.path:  # `python launch/torchrun.py` as well as `py
 
 from lmsys.cli import run_cli  # noqa: E402  (after the path set-up above)
 from lmsys.core.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, LmsysError  # noqa: E402
+from lmsys.training.stopping import LAUNCH_COMMAND_ENV  # noqa: E402
 
 PROG = "lmsys-launch"
 DEFAULT_PORT = 29400
@@ -471,9 +472,11 @@ def check_training_config(overrides: list[str], world_size: int) -> None:
     failure and torchrun's."""
     # lmsys's config and checks import Hydra and torch: only for lmsys.train launches.
     from lmsys.core.config import compose
-    from lmsys.training.preflight import preflight
+    from lmsys.training.preflight import check_run_dir_free, preflight
 
-    preflight(compose(overrides), world_size)
+    cfg = compose(overrides)
+    check_run_dir_free(cfg)  # a second launch into a running run's directory: one line, no workers
+    preflight(cfg, world_size)
 
 
 def run_torchrun(plan: Plan, overrides: list[str]) -> int:
@@ -577,7 +580,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    launch_argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(launch_argv)
     overrides = list(args.overrides)
     if overrides and overrides[0] == "--":
         overrides = overrides[1:]
@@ -599,6 +603,10 @@ def main(argv: list[str] | None = None) -> int:
                 wait_for_endpoint(plan.endpoint, plan.timeout_s)
                 check_store_answers(plan.endpoint, plan.timeout_s - (time.monotonic() - started))
         os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(plan.nproc)))
+        # what a worker stopped by a signal names as the command that continues the run
+        os.environ.setdefault(
+            LAUNCH_COMMAND_ENV, shlex.join(["python", "-m", "launch.torchrun", *launch_argv])
+        )
         return run_torchrun(plan, overrides)
 
     return run_cli(PROG, body)

@@ -39,6 +39,11 @@ class ExportError(LmsysError):
     """A missing, corrupt or mismatching export or checkpoint file for the export tools."""
 
 
+class NoSpaceError(LmsysError):
+    """The filesystem filled up while lmsys wrote a checkpoint or an export: the partial output is
+    removed, what was there before is intact (lmsys.core.files.disk_full_line)."""
+
+
 class TrainingError(LmsysError, RuntimeError):
     """Training cannot go on (e.g. too many non-finite losses): the run failed, the input was fine."""
 

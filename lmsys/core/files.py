@@ -8,11 +8,15 @@ into place when complete: a reader sees the old version or the whole new one, ne
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import secrets
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+
+from lmsys.core.errors import NoSpaceError
 
 TMP_PREFIX = ".tmp-"  # the names of files and directories still being written
 
@@ -88,3 +92,81 @@ def install_dir(tmp: Path, out: Path) -> None:
     fsync_dir(out.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- a full disk
+
+_NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+MB = 1 << 20
+
+
+def tree_bytes(path: Path) -> int:
+    """The bytes of the files under `path` (0 when it does not exist)."""
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file()) if Path(path).exists() else 0
+
+
+def filesystem_of(path: Path) -> str:
+    """`/mnt/scratch (tmpfs)`: the mount point holding `path` and its type where /proc/mounts says."""
+    path = Path(path).resolve()
+    while not path.exists():
+        path = path.parent
+    mount = path
+    while not os.path.ismount(mount):
+        mount = mount.parent
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/mounts").read_text().splitlines():
+            fields = line.split()
+            if len(fields) > 2 and fields[1] == str(mount):
+                return f"{mount} ({fields[2]})"
+    return str(mount)
+
+
+def is_disk_full(exc: BaseException, path: Path, needed_bytes: int) -> bool:
+    """Whether `exc`, raised while writing about `needed_bytes` under `path`, came from a full
+    filesystem: ENOSPC / EDQUOT anywhere in its chain, or any write error while less than
+    `needed_bytes` is free (torch.save reports a full disk as `RuntimeError: [enforce fail at
+    inline_container.cc] . unexpected pos`)."""
+    chain: list[BaseException] = []
+    seen: BaseException | None = exc
+    while seen is not None and seen not in chain:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    if any(isinstance(e, OSError) and e.errno in _NO_SPACE_ERRNOS for e in chain):
+        return True
+    if any("No space left" in str(e) for e in chain):
+        return True
+    try:
+        return shutil.disk_usage(_existing(path)).free < needed_bytes
+    except OSError:
+        return False
+
+
+def _existing(path: Path) -> Path:
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def no_space_line(path: Path, needed_bytes: int) -> str:
+    """`no space left on /mnt/x (tmpfs): needed about 12 MB, 3.1 MB free`."""
+    where = _existing(path)
+    free = shutil.disk_usage(where).free
+    needed = f"{needed_bytes / MB:.1f}" if needed_bytes < 10 * MB else f"{needed_bytes / MB:,.0f}"
+    return f"no space left on {filesystem_of(where)}: needed about {needed} MB, {free / MB:.1f} MB free"
+
+
+@contextlib.contextmanager
+def space_checked(path: Path, needed_bytes: int, partial: Path | None, then: str) -> Iterator[None]:
+    """Writes under `path` of about `needed_bytes`: a full filesystem becomes one NoSpaceError line
+    (`no_space_line`, then `then`: what is kept and what to do), with the `partial` output removed
+    first; any other error passes unchanged."""
+    try:
+        yield
+    except Exception as exc:
+        full = is_disk_full(exc, path, needed_bytes)
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
+        if not full:
+            raise
+        raise NoSpaceError(f"{no_space_line(path, needed_bytes)}; {then}") from exc

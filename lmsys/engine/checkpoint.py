@@ -55,8 +55,15 @@ import torch
 import torch.distributed as dist
 
 from lmsys.core.config import ModelConfig, flatten_dict, model_config_from_dict
-from lmsys.core.errors import CheckpointError, ConfigError, TrainingError
-from lmsys.core.files import TMP_PREFIX, atomic_write_text, install_dir, sha256_file
+from lmsys.core.errors import CheckpointError, ConfigError, NoSpaceError, TrainingError
+from lmsys.core.files import (
+    TMP_PREFIX,
+    atomic_write_text,
+    install_dir,
+    sha256_file,
+    space_checked,
+    tree_bytes,
+)
 from lmsys.data.tokenizer import TOKENIZER_FILES
 from lmsys.engine.reshard import load_resharded
 from lmsys.engine.rundir import CHECKPOINTS, read_metrics, run_dir_of
@@ -213,15 +220,63 @@ def save(
         if tmp_dir.exists():  # a leftover of a killed save of this same step
             shutil.rmtree(tmp_dir)
     _barrier()
-    engine.save_checkpoint(str(root), tag=tmp_tag, client_state={}, save_latest=False)
-    atomic_write_text(tmp_dir / f"rank_{rank:05d}.json", json.dumps(rank_state))
+    needed = save_size(root, engine)
+    kept = f"{_newest_name(root)} stays the newest checkpoint" if _newest_name(root) else "no checkpoint kept"
+    then = (
+        f"checkpoint {tag} not saved (its partial files removed), {kept}; free space, then "
+        "trainer.resume=auto continues"
+    )
+    failure = None
+    try:
+        with space_checked(root, needed, None, then):
+            engine.save_checkpoint(str(root), tag=tmp_tag, client_state={}, save_latest=False)
+            atomic_write_text(tmp_dir / f"rank_{rank:05d}.json", json.dumps(rank_state))
+    except NoSpaceError as exc:
+        failure = exc
     if pause_s > 0:
         time.sleep(pause_s)
-    _barrier()
+    _agree_or_raise(failure, tmp_dir, rank)  # every rank raises the same error, the partial removed
     if rank == 0:
-        commit(root, state.step, state, keep_last, warn)
-    _barrier()
+        try:
+            with space_checked(root, needed, None, then):
+                commit(root, state.step, state, keep_last, warn)
+        except NoSpaceError as exc:
+            failure = exc
+    _agree_or_raise(failure, tmp_dir, rank)
     return final_dir
+
+
+def save_size(root: Path, engine: Any) -> int:
+    """About how many bytes a checkpoint of this run takes: the newest one's size, else 16 bytes a
+    parameter (fp32 weights, master weights and Adam's two moments)."""
+    newest = _newest_name(root)
+    if newest is not None:
+        return tree_bytes(root / newest)
+    return 16 * sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters())
+
+
+def _newest_name(root: Path) -> str | None:
+    tags = sorted(
+        (p.name for p in root.glob("step_*") if (p / MARKER).is_file()), key=lambda t: step_of(t) or -1
+    )
+    return tags[-1] if tags else None
+
+
+def _agree_or_raise(failure: NoSpaceError | None, tmp_dir: Path, rank: int) -> None:
+    """A barrier at which every rank learns whether any rank failed to write: then all of them
+    raise the first failure (rank 0, the one that reports, included) once rank 0 removed the
+    partial checkpoint, so no rank waits for another that left."""
+    messages: list[str | None] = [str(failure) if failure is not None else None]
+    if dist.is_initialized():
+        messages = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, str(failure) if failure is not None else None)
+    first = next((m for m in messages if m is not None), None)
+    if first is None:
+        return
+    if rank == 0:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    _barrier()
+    raise NoSpaceError(first) from failure
 
 
 def commit(

@@ -48,7 +48,7 @@ from safetensors.torch import save_file
 from lmsys.core.config import ModelConfig, model_config_from_dict, model_dims
 from lmsys.core.console import warn as console_warn
 from lmsys.core.errors import ConfigError, DataError, ExportError, UsageError
-from lmsys.core.files import fsync_files, install_dir, sibling, usual_permissions
+from lmsys.core.files import fsync_files, install_dir, sibling, space_checked, usual_permissions
 from lmsys.core.runtime import dtype_name
 from lmsys.data.tokenizer import HF_TOKENIZER_CONFIG, TOKENIZER_FILES, Tokenizer, tokenizer_file
 from lmsys.engine.checkpoint import model_differences, read_checkpoint, resolve
@@ -209,8 +209,11 @@ def write_export(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = sibling(out, "tmp")
     tmp.mkdir()
+    needed = sum(t.numel() * t.element_size() for t in stored.values()) + Path(tok.path).stat().st_size
+    then = f"nothing written to out={out}; free space or choose another out="
     try:
-        _write_files(tmp, cfg, stored, tok, info, dtype, fmt)
+        with space_checked(out.parent, needed, tmp, then):
+            _write_files(tmp, cfg, stored, tok, info, dtype, fmt)
         if verify:
             verify_export(tmp, cfg, state, dtype)
         usual_permissions(tmp)

@@ -23,6 +23,7 @@ from lmsys.core.errors import ConfigError, LmsysError
 from lmsys.core.runtime import BatchPlan, batch_plan, resume_batch_plan
 from lmsys.data.shards import PreparedData
 from lmsys.engine import checkpoint as ckpt
+from lmsys.engine.runlock import RunLock, holder_of
 
 DATA_CHECKS = ("required", "if_present", "skip")
 
@@ -94,3 +95,13 @@ def preflight(
             if opened is not None:
                 opened[cfg.data.dir] = prepared
     return Preflight(plan=plan, data=prepared)
+
+
+def check_run_dir_free(cfg: Config) -> None:
+    """For the launchers, before any worker starts: trainer.run_dir is not held by a running launch
+    (lmsys.engine.runlock; the trainer's rank 0 takes the lock itself)."""
+    if not cfg.trainer.run_dir:
+        return
+    holder = holder_of(Path(cfg.trainer.run_dir))
+    if holder is not None:
+        raise RunLock(Path(cfg.trainer.run_dir)).busy(holder)

@@ -21,6 +21,7 @@ from lmsys.core.runtime import env_dist_info, resolve_device, resolve_precision,
 from lmsys.engine import checkpoint as ckpt
 from lmsys.engine import rundir
 from lmsys.engine import zero as eng
+from lmsys.engine.runlock import RunLock
 from lmsys.model.ops import prepare_kernels
 
 
@@ -43,19 +44,28 @@ class RunPlan:
     run_dir: Path
     resume: ckpt.Checkpoint | None  # the checkpoint to continue from
     damaged: list[Path] = field(default_factory=list)  # newer checkpoints the resume passed over
+    lock: RunLock | None = field(default=None, compare=False)  # rank 0's, held until the run ends
 
 
-def plan_run(cfg: Config, tokenizer_sha256: str, world_size: int, warn: Callable[[str], None]) -> RunPlan:
-    """Rank 0, read-only: where the run lives and what it resumes from. Raises user errors."""
+def choose_run_dir(cfg: Config) -> Path:
+    """trainer.run_dir, else (after a torchrun restart) the directory of the job's first attempt,
+    else a new runs/<model.name>-<timestamp>."""
     t = cfg.trainer
     if t.run_dir:
         run_dir = Path(t.run_dir)
         if run_dir.exists() and not run_dir.is_dir():
             raise ConfigError(f"trainer.run_dir={t.run_dir} exists and is not a directory")
-    else:  # after a torchrun restart: the directory of the job's first attempt
-        run_id, restarts = elastic_ids()
-        restarted = rundir.find_restarted_run(cfg.model.name, run_id) if run_id and restarts else None
-        run_dir = restarted or rundir.new_run_dir(cfg.model.name)
+        return run_dir
+    run_id, restarts = elastic_ids()
+    restarted = rundir.find_restarted_run(cfg.model.name, run_id) if run_id and restarts else None
+    return restarted or rundir.new_run_dir(cfg.model.name)
+
+
+def plan_run(
+    cfg: Config, tokenizer_sha256: str, world_size: int, warn: Callable[[str], None], run_dir: Path
+) -> RunPlan:
+    """Rank 0, read-only: what the run in `run_dir` resumes from. Raises user errors."""
+    t = cfg.trainer
     found, damaged = None, []
     if t.resume == "auto":
         found = ckpt.find_latest(run_dir, warn, damaged=damaged) if run_dir.exists() else None
@@ -76,18 +86,42 @@ def plan_run(cfg: Config, tokenizer_sha256: str, world_size: int, warn: Callable
     return RunPlan(run_dir, found, damaged)
 
 
+def locked_plan(cfg: Config, tokenizer_sha256: str, world_size: int, console: Console) -> RunPlan:
+    """Rank 0: the run's plan, with the run directory locked (lmsys.engine.runlock) before anything
+    is written there. An existing directory is locked before its checkpoints are read (a second
+    launch hears of the first, not of its checkpoints); a new one only once the plan holds, so a
+    refused launch leaves nothing behind."""
+    run_dir = choose_run_dir(cfg)
+    lock = RunLock(run_dir).acquire() if run_dir.is_dir() else None
+    try:
+        plan = plan_run(cfg, tokenizer_sha256, world_size, console.warn, run_dir)
+        lock = lock or RunLock(run_dir).acquire()
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    if lock.took_over is not None:
+        console.warn(f"took over the lock of {run_dir} from {lock.took_over.describe()}: it is gone")
+    plan.lock = lock
+    return plan
+
+
 def agree_on_run(cfg: Config, rank: int, world_size: int, tokenizer_sha256: str, console: Console) -> RunPlan:
     """Rank 0 plans the run and every rank receives the same plan, or raises the same error."""
     box: list[RunPlan | LmsysError | None] = [None]
+    lock = None
     if rank == 0:
         try:
-            box[0] = plan_run(cfg, tokenizer_sha256, world_size, console.warn)
+            plan = locked_plan(cfg, tokenizer_sha256, world_size, console)
+            lock, plan.lock = plan.lock, None  # the lock stays with rank 0, out of the broadcast
+            box[0] = plan
         except LmsysError as exc:
             box[0] = exc
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], LmsysError):
         raise box[0]
     assert box[0] is not None
+    box[0].lock = lock
     return box[0]
 
 

@@ -57,7 +57,7 @@ from lmsys.training.run_plan import (
     schedule_horizon,
     start_processes,
 )
-from lmsys.training.stopping import StopRequest
+from lmsys.training.stopping import StopRequest, continue_command
 
 PROG = "lmsys-train"
 
@@ -286,6 +286,7 @@ class Trainer:
         loss). Returns the step's global weighted mean loss."""
         start = time.perf_counter()
         engine, plan, device = self.engine, self.setup.plan, self.setup.device
+        self.stop.begin_step(step)  # Ctrl-C's acknowledgement names it
         self.faults.before_step(step)
         lr = eng.lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
         eng.set_lr(engine, lr)
@@ -482,11 +483,12 @@ class Trainer:
         """Save the step every rank has just finished (unless its periodic save did), say so in
         one line, and raise Stopped with the exit status for the launcher."""
         step = self.state.step
+        command = continue_command(self.run_dir, self.cfg.trainer.resume)
         if why == "interrupted":
-            head, code, then = "interrupted", EXIT_INTERRUPTED, "trainer.resume=auto continues"
+            head, code, then = "interrupted", EXIT_INTERRUPTED, f"continue with: {command}"
         else:
             head, code = f"preempted ({self.stop.name() or 'a signal to another rank'})", EXIT_REQUEUE
-            then = f"exit {EXIT_REQUEUE}: requeue, or run again with trainer.resume=auto, to continue"
+            then = f"exit {EXIT_REQUEUE}: requeue the job, or continue with: {command}"
         self.console.status(f"{self.report.prog}: {head}: saving step {step} ...", end="")
         try:
             path = self.run_dir / rundir.CHECKPOINTS / ckpt.tag_for(step)
@@ -534,6 +536,7 @@ def train(cfg: Config, step_hook: Callable[[int], None] | None = None) -> Path:
     step_hook(step), if given, runs at the end of every step (see `Trainer.fit`)."""
     stop = StopRequest()  # from now on SIGTERM / SIGUSR1 stop the run after a step, with a checkpoint
     stop.install()
+    run: RunPlan | None = None
     try:
         # every mistake in the batch or the data is reported before the process group forms
         data = preflight(cfg, env_dist_info().world_size).data
@@ -554,4 +557,6 @@ def train(cfg: Config, step_hook: Callable[[int], None] | None = None) -> Path:
         trainer.fit(step_hook)
     finally:
         stop.restore()
+        if run is not None and run.lock is not None:
+            run.lock.release()  # a sweep's next job in this process may need it
     return run.run_dir

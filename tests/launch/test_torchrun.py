@@ -5,6 +5,7 @@ checkpoint; a silent endpoint, a lonely node 0 and a wrong node count fail fast 
 from __future__ import annotations
 
 import argparse
+import shlex
 import signal
 import subprocess
 import time
@@ -302,9 +303,11 @@ def test_sigterm_stops_the_ranks_after_one_step_with_its_checkpoint(one_node, ti
     stopped = max(losses(run_dir))
     assert at_signal >= 1 and stopped - at_signal in (1, 2), (at_signal, stopped)  # the step under way
     lines = [ln for ln in err.splitlines() if "preempted" in ln]
+    again = shlex.join([*tiny, "trainer.debug_step_delay_s=1", f"trainer.run_dir={run_dir}"])
     assert lines == [
         f"lmsys-train: preempted (SIGTERM): saving step {stopped} ... saved {run_dir}/checkpoints/"
-        f"step_{stopped:07d}; exit 75: requeue, or run again with trainer.resume=auto, to continue"
+        f"step_{stopped:07d}; exit 75: requeue the job, or continue with: "
+        f"python -m launch.torchrun --nproc 2 -- {again}"
     ], err
     assert "Traceback" not in err
     on_one_rank = [o.replace("deepspeed=zero2", "deepspeed=zero3") for o in overrides]

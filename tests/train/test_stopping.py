@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -79,17 +82,56 @@ def one_stop_line(err: str, word: str) -> str:
     return lines[0]
 
 
+class Watched(Running):
+    """A Running job whose stderr is read line by line as it comes (`lines`), with the steps in
+    metrics.jsonl at the moment each line arrived (`steps_at`)."""
+
+    def __init__(self, command: list[str], run_dir: Path, cwd: Path) -> None:
+        super().__init__(command, run_dir, cwd)
+        self.lines: list[str] = []
+        self.steps_at: list[list[int]] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.steps_at.append(self.steps())
+            self.lines.append(line.rstrip("\n"))
+
+    def finish(self) -> tuple[int, str, str]:
+        out = self.proc.stdout.read()
+        self.proc.wait(timeout=240)
+        self._reader.join(timeout=60)
+        return self.proc.returncode, out, "\n".join(self.lines)
+
+
+def continued(prefix: list[str], overrides: list[str], run_dir: Path) -> str:
+    """The command the stop line names: the launch's own, with trainer.run_dir last."""
+    return shlex.join(
+        [
+            *prefix,
+            *[o for o in overrides if not o.startswith("trainer.run_dir=")],
+            f"trainer.run_dir={run_dir}",
+        ]
+    )
+
+
 @pytest.mark.parametrize("nproc", [1, 2], ids=["python", "launch.torchrun"])
 def test_ctrl_c_saves_the_step_in_one_line_and_exits_130(runs, tmp_path, nproc):
+    """Ctrl-C is acknowledged at once (before the step it names has finished), then the step is
+    saved in one line that names the command that continues the run."""
     case = "1proc" if nproc == 1 else "2proc-zero2"
     run_dir = tmp_path / "run"
-    overrides = [*runs.overrides(case), "logger=none", "trainer.debug_step_delay_s=0.5"]
+    delay = 2 if nproc == 1 else 0.5  # 1 process: time to see the step still under way
+    overrides = [*runs.overrides(case), "logger=none", f"trainer.debug_step_delay_s={delay}"]
     overrides.append(f"trainer.run_dir={run_dir}")
     if nproc == 1:
         command = train_command(1, overrides)
+        prefix = ["python", "-m", "lmsys.train"]
     else:
         command = [sys.executable, "-m", "launch.torchrun", "--nproc", "2", "--", *overrides]
-    job = Running(command, run_dir, tmp_path)
+        prefix = ["python", "-m", "launch.torchrun", "--nproc", "2", "--"]
+    job = Watched(command, run_dir, tmp_path)
     job.wait_for("step 2", lambda: 2 in job.steps())
     job.signal_group(signal.SIGINT)
     code, out, err = job.finish()
@@ -97,9 +139,19 @@ def test_ctrl_c_saves_the_step_in_one_line_and_exits_130(runs, tmp_path, nproc):
     line = one_stop_line(err, "interrupted")
     step = job.steps()[-1]
     assert step in (2, 3, 4), job.steps()  # the step under way when Ctrl-C came, or the one after
+    acks = [i for i, text in enumerate(job.lines) if "Ctrl-C:" in text]
+    assert len(acks) == 1, err
+    ack = r"lmsys-train: Ctrl-C: stopping after step (\d+), then saving it; Ctrl-C again abandons the save"
+    acked = int(re.fullmatch(ack, job.lines[acks[0]]).group(1))
+    assert acked == step if nproc == 1 else acked in (step, step + 1), err
+    if nproc == 1:
+        assert step not in job.steps_at[acks[0]], (
+            job.steps_at[acks[0]],
+            err,
+        )  # at once, not at the step's end
     tag = run_dir / "checkpoints" / f"step_{step:07d}"
-    want = f"lmsys-train: interrupted: saving step {step} ... saved {tag}; trainer.resume=auto continues"
-    assert line == want
+    want = f"lmsys-train: interrupted: saving step {step} ... saved {tag}; continue with: "
+    assert line == want + continued(prefix, overrides, run_dir)
     assert ckpt.find_latest(run_dir, pytest.fail).tag_dir == tag
     if nproc == 1:  # resumed: the uninterrupted run's losses (the 2-rank case: tests/launch)
         overrides = [o for o in overrides if not o.startswith("trainer.debug")]
@@ -123,6 +175,8 @@ def test_a_second_sigterm_during_the_save_changes_nothing(runs, tmp_path):
     step = job.steps()[-1]
     line = one_stop_line(err, "preempted")
     assert line.startswith(f"lmsys-train: preempted (SIGTERM): saving step {step} ... saved ")
+    again = continued(["python", "-m", "lmsys.train"], overrides, run_dir)
+    assert line.endswith(f"; exit 75: requeue the job, or continue with: {again}"), line
     found = ckpt.find_latest(run_dir, pytest.fail)
     assert found.step == step and ckpt.verify(found.tag_dir)["state"]["step"] == step
     assert not job.saving()
