@@ -209,6 +209,9 @@ class TrainerConfig:
     # (a failure is an error), false (eager)
     compile: str = "auto"
     dist_timeout_s: float = 600.0  # collective timeout: a dead or hung rank brings the job down
+    # No progress for this long on a rank: the watchdog names the ranks that did not arrive, writes
+    # every rank's stacks to <run>/diagnostics and ends the job (exit 86); 0 turns it off
+    hang_timeout_s: float = 300.0
     # Fault injection for tests (leave empty in real runs): make the loss NaN at these steps,
     # sleep this long after every step, make the last rank exit at this step on a first attempt,
     # make the last rank send itself SIGTERM during this step (a preemption that reaches one rank),
@@ -218,6 +221,8 @@ class TrainerConfig:
     debug_crash_at_step: int = 0
     debug_signal_at_step: int = 0
     debug_save_delay_s: float = 0.0
+    debug_hang_step: int = 0  # the last rank hangs at the start of this step ...
+    debug_hang_how: str = "sleep"  # ... asleep, or frozen with SIGSTOP ("stop")
 
 
 @dataclass
@@ -386,6 +391,13 @@ def validate(cfg: Config) -> Config:
     _require(t.save_interval >= 1, f"trainer.save_interval={t.save_interval} must be >= 1")
     _require(t.max_nan_skips >= 0, f"trainer.max_nan_skips={t.max_nan_skips} must be >= 0")
     _require(t.dist_timeout_s > 0, f"trainer.dist_timeout_s={t.dist_timeout_s} must be > 0")
+    _require(
+        t.hang_timeout_s == 0 or 0 < t.hang_timeout_s < t.dist_timeout_s,
+        f"trainer.hang_timeout_s={t.hang_timeout_s:g} must be below trainer.dist_timeout_s="
+        f"{t.dist_timeout_s:g} (the watchdog names a stuck rank before the collective timeout ends the "
+        "job), or 0 (off)",
+    )
+    _one_of("trainer.debug_hang_how", t.debug_hang_how, ("sleep", "stop"))
     _require(
         compile_choice(t.compile) in COMPILE_CHOICES,
         f"trainer.compile={t.compile} is not valid; choose one of: {', '.join(COMPILE_CHOICES)}",

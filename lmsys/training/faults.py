@@ -7,6 +7,9 @@ defaults, which inject nothing.
     trainer.debug_crash_at_step=3        the last rank exits (status 13) at this step, first attempt only
     trainer.debug_signal_at_step=3       the last rank sends itself SIGTERM during this step
     trainer.debug_save_delay_s=2         a checkpoint save sleeps this long before it is committed
+    trainer.debug_hang_step=4            the last rank hangs at the start of this step, first attempt
+                                         only: asleep (trainer.debug_hang_how=sleep) or frozen with
+                                         SIGSTOP (=stop), for the hang watchdog (training/watchdog.py)
 
 The trainer calls the hooks at fixed points of a step: `before_step`, `poison_loss` on each
 micro-batch's loss, `after_step`; the checkpoint save reads `save_pause_s`.
@@ -33,6 +36,8 @@ class Faults:
     crash_at_step: int = 0
     signal_at_step: int = 0
     save_pause_s: float = 0.0
+    hang_step: int = 0
+    hang_how: str = "sleep"
     rank: int = 0
     last_rank: bool = False  # crashes and signals reach the last rank only
     first_attempt: bool = True  # crashes happen on a job's first attempt only (torchrun restarts)
@@ -45,15 +50,23 @@ class Faults:
             crash_at_step=t.debug_crash_at_step,
             signal_at_step=t.debug_signal_at_step,
             save_pause_s=t.debug_save_delay_s,
+            hang_step=t.debug_hang_step,
+            hang_how=t.debug_hang_how,
             rank=rank,
             last_rank=rank == world_size - 1,
             first_attempt=restarts == 0,
         )
 
     def before_step(self, step: int) -> None:
-        """A preemption that reaches one rank: the last rank signals itself during `step`."""
+        """A preemption that reaches one rank: the last rank signals itself during `step`; or the
+        last rank hangs there."""
         if step == self.signal_at_step and self.last_rank:
             os.kill(os.getpid(), signal.SIGTERM)
+        if step == self.hang_step and self.last_rank and self.first_attempt:
+            if self.hang_how == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)  # every thread, the watchdog's too
+            else:
+                time.sleep(24 * 3600)  # the watchdog's thread still runs, and answers
 
     def poison_loss(self, step: int, micro_batch: int, loss: torch.Tensor) -> torch.Tensor:
         """The loss as computed, or NaN on the first micro-batch of a trainer.debug_nan_steps step."""

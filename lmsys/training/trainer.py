@@ -55,6 +55,7 @@ from lmsys.training.run_plan import (
     start_processes,
 )
 from lmsys.training.stopping import StopRequest
+from lmsys.training.watchdog import Watchdog
 
 PROG = "lmsys-train"
 
@@ -125,6 +126,19 @@ class Trainer:
         self.last_val: float | None = None
         self.saved_step = self.start_step if run.resume is not None else -1
         self.stats_written = False
+        self.watchdog = Watchdog(  # the loop reports where it is; fit() starts the thread
+            t.hang_timeout_s,
+            setup.rank,
+            setup.world_size,
+            self.run_dir,
+            console.prog,
+            self.report.warn,
+            lambda: (
+                f"; trainer.resume=auto continues from the checkpoint of step {self.saved_step}"
+                if self.saved_step > 0
+                else "; no checkpoint was saved yet"
+            ),
+        )
 
     def _first_model(self, data: PreparedData, run: RunPlan) -> Transformer:
         """A new model, or with model.init_from the export's weights (unless the run resumes:
@@ -271,6 +285,8 @@ class Trainer:
         loss). Returns the step's global weighted mean loss."""
         start = time.perf_counter()
         engine, plan, device = self.engine, self.setup.plan, self.setup.device
+        at = self.watchdog.at
+        at(step, "start")
         self.faults.before_step(step)
         lr = eng.lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
         eng.set_lr(engine, lr)
@@ -281,6 +297,7 @@ class Trainer:
         micro_batches = plan.grad_accum * self.setup.world_size
         totals = torch.zeros(3, dtype=torch.float64, device=device)  # (weighted loss, preempt, interrupt)
         for i, batch in enumerate(batches):
+            at(step, "forward", i)
             loss = engine(
                 batch.tokens.to(device, non_blocking=True), batch.weights.to(device, non_blocking=True)
             )
@@ -289,13 +306,16 @@ class Trainer:
             # DeepSpeed averages the micro-batch gradients of all ranks: scaling each by its share
             # of the step's weights times their count makes that average the weighted mean's.
             scale = weights[i] * micro_batches / global_weight if global_weight > 0 else 0.0
+            at(step, "backward", i)
             engine.backward(loss if scale == 1.0 else loss * scale)
             if i < plan.grad_accum - 1:
                 engine.step()  # not a boundary: DeepSpeed only counts the micro-step
         totals[1], totals[2] = self.stop.flags()  # read as late as possible; summed over the ranks
+        at(step, "loss all-reduce")
         dist.all_reduce(totals)
         weighted_loss, preempt, interrupt = totals.tolist()
         step_loss = weighted_loss / global_weight if global_weight > 0 else 0.0
+        at(step, "optimizer step")
         outcome = eng.optimizer_step(engine, math.isfinite(step_loss))
         stop = "interrupted" if interrupt else "preempted" if preempt else None
         return StepResult(step, step_loss, lr, outcome, time.perf_counter() - start, stop)
@@ -370,7 +390,8 @@ class Trainer:
         engine.eval()
         total = torch.zeros(2, dtype=torch.float64, device=device)  # (weighted loss, weight)
         with torch.no_grad():
-            for batch in self.loader.val_batches(self.cfg.trainer.eval_batches):
+            for i, batch in enumerate(self.loader.val_batches(self.cfg.trainer.eval_batches)):
+                self.watchdog.at(self.state.step, "evaluation", i)
                 weight = self._prediction_weight(batch)
                 loss = engine(batch.tokens.to(device), batch.weights.to(device))  # every rank runs it
                 if weight > 0:  # the whole split's last round may hold only weight-0 filler rows
@@ -387,6 +408,7 @@ class Trainer:
     def save(self, announce: bool = True) -> Path:
         """A checkpoint of the step just finished (lmsys/engine/checkpoint.py); every rank calls it."""
         rank_state = {"loader": self.loader.state_dict(), "rng": ckpt.rng_state()}
+        self.watchdog.at(self.state.step, "checkpoint save")
         start = time.perf_counter()
         saved = ckpt.save(
             self.engine,
@@ -415,6 +437,8 @@ class Trainer:
         self.engine.train()
         self.stop.armed = True
         stop: str | None = None
+        if t.hang_timeout_s > 0:
+            self.watchdog.start(self.start_step)
         try:
             with self.report.steps(self.start_step + 1, t.max_steps):
                 for step in range(self.start_step + 1, t.max_steps + 1):
@@ -437,6 +461,8 @@ class Trainer:
         except BaseException as exc:
             self.report.close(exit_code=exc.exit_code if isinstance(exc, Stopped) else 1)
             raise
+        finally:
+            self.watchdog.stop()
         self._finish(time.perf_counter() - started)
 
     def _first_step(self, step: int) -> StepResult:
