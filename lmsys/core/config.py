@@ -212,6 +212,9 @@ class TrainerConfig:
     # No progress for this long on a rank: the watchdog names the ranks that did not arrive, writes
     # every rank's stacks to <run>/diagnostics and ends the job (exit 86); 0 turns it off
     hang_timeout_s: float = 300.0
+    # Bitwise-reproducible runs: torch's deterministic algorithms (an op without one is an error),
+    # CUBLAS_WORKSPACE_CONFIG, fixed Triton tilings (docs/debugging.md: what it costs)
+    deterministic: bool = False
     # Fault injection for tests (leave empty in real runs): make the loss NaN at these steps,
     # sleep this long after every step, make the last rank exit at this step on a first attempt,
     # make the last rank send itself SIGTERM during this step (a preemption that reaches one rank),

@@ -236,6 +236,7 @@ class Trainer:
             (info.activation_checkpointing, ", activation checkpointing"),
             (info.offload_optimizer, ", offload optimizer"),
             (info.offload_param, ", offload params"),
+            (cfg.trainer.deterministic, ", deterministic"),
         ]
         prog = self.console.prog
         self.console.say(
