@@ -226,6 +226,7 @@ class TrainerConfig:
     debug_save_delay_s: float = 0.0
     debug_hang_step: int = 0  # the last rank hangs at the start of this step ...
     debug_hang_how: str = "sleep"  # ... asleep, or frozen with SIGSTOP ("stop")
+    debug_break_kernel: str = ""  # the kernel self-check sees this kernel's output perturbed
 
 
 @dataclass
@@ -401,6 +402,8 @@ def validate(cfg: Config) -> Config:
         "job), or 0 (off)",
     )
     _one_of("trainer.debug_hang_how", t.debug_hang_how, ("sleep", "stop"))
+    kernel_names = ("", "attention", "layer_norm", "add_layer_norm", "linear_cross_entropy")
+    _one_of("trainer.debug_break_kernel", t.debug_break_kernel, kernel_names)
     _require(
         compile_choice(t.compile) in COMPILE_CHOICES,
         f"trainer.compile={t.compile} is not valid; choose one of: {', '.join(COMPILE_CHOICES)}",

@@ -10,6 +10,7 @@ defaults, which inject nothing.
     trainer.debug_hang_step=4            the last rank hangs at the start of this step, first attempt
                                          only: asleep (trainer.debug_hang_how=sleep) or frozen with
                                          SIGSTOP (=stop), for the hang watchdog (training/watchdog.py)
+    trainer.debug_break_kernel=attention the kernel self-check sees that kernel's output perturbed
 
 The trainer calls the hooks at fixed points of a step: `before_step`, `poison_loss` on each
 micro-batch's loss, `after_step`; the checkpoint save reads `save_pause_s`.
@@ -38,6 +39,7 @@ class Faults:
     save_pause_s: float = 0.0
     hang_step: int = 0
     hang_how: str = "sleep"
+    break_kernel: str = ""  # read by the kernel self-check (lmsys/model/selfcheck.py)
     rank: int = 0
     last_rank: bool = False  # crashes and signals reach the last rank only
     first_attempt: bool = True  # crashes happen on a job's first attempt only (torchrun restarts)
@@ -52,6 +54,7 @@ class Faults:
             save_pause_s=t.debug_save_delay_s,
             hang_step=t.debug_hang_step,
             hang_how=t.debug_hang_how,
+            break_kernel=t.debug_break_kernel,
             rank=rank,
             last_rank=rank == world_size - 1,
             first_attempt=restarts == 0,

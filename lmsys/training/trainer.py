@@ -34,7 +34,7 @@ from omegaconf import OmegaConf
 from lmsys.core.config import Config, config_to_dict
 from lmsys.core.console import Console, StepReport
 from lmsys.core.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, Stopped, TrainingError
-from lmsys.core.runtime import Setup, batch_plan, env_dist_info, seed_everything
+from lmsys.core.runtime import DTYPES, Setup, batch_plan, env_dist_info, seed_everything
 from lmsys.data.loader import Batch, TokenLoader
 from lmsys.data.shards import PreparedData
 from lmsys.engine import checkpoint as ckpt
@@ -42,6 +42,7 @@ from lmsys.engine import rundir
 from lmsys.engine import zero as eng
 from lmsys.interop.exports import initial_model
 from lmsys.model.compiling import compile_errors, compile_stats, compile_summary, say_compiled
+from lmsys.model.selfcheck import check_kernels, settle
 from lmsys.model.transformer import Transformer, next_token_pairs
 from lmsys.training.faults import Faults
 from lmsys.training.metrics import MetricsLogger, device_name, device_peak_flops, memory_gb, mfu
@@ -83,6 +84,11 @@ class Trainer:
         self.report = Reporter(console, cfg.logger.log_interval)
         self.faults = Faults.of(t, setup.rank, setup.world_size, restarts=elastic_ids()[1])
         seed_everything(t.seed)  # identical initialisation on every rank
+        # each Triton kernel the run uses against its torch reference on this device (own RNG)
+        self.kernel_check = check_kernels(
+            cfg.model, plan.seq_len, setup.device, DTYPES[setup.precision], self.faults.break_kernel
+        )
+        settle(self.kernel_check, cfg.model.kernels, self.report.warn)
         model = self._first_model(data, run)
         self.n_params = model.num_parameters()
         self.flops_per_token = model.flops_per_token(plan.seq_len)
@@ -252,6 +258,8 @@ class Trainer:
             + f"\n{prog}: validation every {cfg.trainer.eval_interval} steps on {self.val_coverage()}"
             + ("" if cfg.trainer.eval_batches == 0 else " (trainer.eval_batches=0: the whole split)")
         )
+        if self.kernel_check.passed or self.kernel_check.failed:
+            self.console.say(f"{prog}: {self.kernel_check.line()}")
         if self.report.wandb_line():
             self.report.note(self.report.wandb_line())
 
