@@ -5,9 +5,10 @@ The trainer's watchdog (lmsys/training/watchdog.py) ends the job when a rank sto
 progress: the ranks that still run write one line naming the stuck ranks to the file named by
 $LMSYS_HANG_REPORT, kill the stuck ranks they can reach (their own host) and exit 86
 (EXIT_STUCK_RANK). `HangRelay` gives each launch such a file and watches it from a thread: once the
-line is there the workers get a few seconds to leave on their own, then every process under this
-launcher still alive gets SIGKILL (which a stopped process cannot ignore, unlike torchrun's
-SIGTERM: torchrun would wait its whole --shutdown-timeout for it).
+line is there the workers get a few seconds to leave on their own, then every process that was
+under this launcher then and is still alive gets SIGKILL (which a stopped process cannot ignore,
+unlike torchrun's SIGTERM: torchrun would wait its whole --shutdown-timeout for it). With
+--max-restarts the workers torchrun starts next are left alone, and watched the same way.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPORT_ENV = "LMSYS_HANG_REPORT"  # the same name as lmsys.training.watchdog.REPORT_ENV
@@ -42,22 +44,27 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def kill_descendants(pid: int) -> list[int]:
-    """SIGKILL every process below `pid`; the pids signalled."""
-    killed = []
-    for child in descendants(pid):
-        try:
-            os.kill(child, signal.SIGKILL)
-            killed.append(child)
-        except ProcessLookupError:
-            pass
-    return killed
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited; its parent has not collected it yet
+
+
+def _kill(pid: int) -> bool:
+    """SIGKILL `pid` (a stopped process too); whether it was still there."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 class HangRelay:
     """The report file of one launch and the thread that ends the workers once it is written."""
 
-    def __init__(self, path: Path | None = None) -> None:
+    def __init__(self, path: Path | None = None, say: Callable[[str], None] | None = None) -> None:
         self.owned = path is None  # a file of our own is removed by stop(); a sweep's is its to read
         if path is None:
             fd, name = tempfile.mkstemp(prefix="lmsys-hang-", suffix=".txt")
@@ -66,33 +73,49 @@ class HangRelay:
             path = Path(name)
         self.path = path
         self.killed: list[int] = []
+        self.last_line: str | None = None
+        self.say = say  # told each line as it comes (a launch with restarts goes on after it)
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="lmsys-hang-relay", daemon=True)
 
     @classmethod
-    def start(cls) -> HangRelay:
+    def start(cls, say: Callable[[str], None] | None = None) -> HangRelay:
         """Set $LMSYS_HANG_REPORT for the workers (a sweep's own file when it set one) and watch it."""
         given = os.environ.get(REPORT_ENV)
-        relay = cls(Path(given) if given else None)
+        relay = cls(Path(given) if given else None, say)
         os.environ[REPORT_ENV] = str(relay.path)
         relay._thread.start()
         return relay
 
     def _watch(self) -> None:
         while not self._done.wait(0.5):
-            if self.path.is_file():
-                deadline = time.monotonic() + GRACE_S
-                while descendants(os.getpid()) and time.monotonic() < deadline:
-                    time.sleep(0.2)
-                self.killed = kill_descendants(os.getpid())
-                return
+            try:
+                line = self.path.read_text().strip()
+            except OSError:
+                continue
+            # The workers of this attempt, as they are now: with --max-restarts torchrun may start
+            # new ones once these are gone, and those must live.
+            workers = descendants(os.getpid())
+            deadline = time.monotonic() + GRACE_S
+            while time.monotonic() < deadline and any(_alive(p) for p in workers):
+                time.sleep(0.2)
+            self.killed += [p for p in workers if _kill(p)]
+            self.last_line = line
+            if self.say is not None:
+                self.say(line)
+            if self.owned:
+                self.path.unlink(missing_ok=True)  # a restarted attempt may hang again
+            else:
+                return  # a sweep's file: the sweep reads it; one job is one launch
 
     def line(self) -> str | None:
-        """The watchdog's line, once written."""
-        try:
-            return self.path.read_text().strip() or None
-        except OSError:
-            return None
+        """The watchdog's line, once written (the last one, after restarts)."""
+        if self.last_line is None:
+            try:
+                return self.path.read_text().strip() or None
+            except OSError:
+                return None
+        return self.last_line
 
     def stop(self) -> None:
         self._done.set()

@@ -497,14 +497,21 @@ def run_torchrun(plan: Plan, overrides: list[str]) -> int:
     args = get_args_parser().parse_args(plan.torchrun_args(overrides))
     for name in ("agent.server.api", "multiprocessing.api"):
         logging.getLogger(f"torch.distributed.elastic.{name}").addFilter(_QuietShutdown())
-    relay = HangRelay.start()  # a stuck rank: the watchdog's line, every worker ended (launch/stuck.py)
+
+    # a stuck rank: the watchdog's line, every worker ended (launch/stuck.py); said at once when
+    # torchrun may restart the workers after it
+    def say(line: str) -> None:
+        print(f"{PROG}: warning: {line}", file=sys.stderr, flush=True)
+
+    relay = HangRelay.start(say if plan.max_restarts > 0 else None)
     try:
         _patient_signals(elastic_api)
         run(args)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
-        if relay.line():
-            print(f"{PROG}: error: {relay.line()}", file=sys.stderr, flush=True)
+        stuck = relay.line()
+        if stuck and failure.exitcode in (EXIT_STUCK_RANK, -signal.SIGKILL):  # the watchdog's doing
+            print(f"{PROG}: error: {stuck}", file=sys.stderr, flush=True)
             return EXIT_STUCK_RANK
         if failure.exitcode in (EXIT_REQUEUE, EXIT_INTERRUPTED):  # a worker stopped on a signal, saved
             return _stopped(failure.exitcode, f"worker rank {rank}")

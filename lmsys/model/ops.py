@@ -295,7 +295,7 @@ def linear_cross_entropy(
     impl = loss_implementation(h, loss_impl, kernels)
     if impl == "fused":
         if not h.is_cuda:
-            _prepare_interpreted_loss(h, kernels)
+            prepare_interpreted_loss(h, kernels)
         # imports triton, so only when the kernel runs (the module docstring says why)
         from kernels.linear_cross_entropy import linear_cross_entropy as fused  # the custom op
 
@@ -305,7 +305,7 @@ def linear_cross_entropy(
     return chunked_linear_cross_entropy(h, weight, targets, weights, bias)
 
 
-def _prepare_interpreted_loss(h: torch.Tensor, kernels: str) -> None:
+def prepare_interpreted_loss(h: torch.Tensor, kernels: str) -> None:
     """The fused loss on a CPU tensor runs in the Triton interpreter: select it if triton is not
     imported yet (as prepare_kernels does for model.kernels=triton), or say in one line why not."""
     device = str(h.device)

@@ -30,7 +30,7 @@ from kernels.reference import (
     linear_cross_entropy_reference,
 )
 from lmsys.core.config import ModelConfig, model_dims
-from lmsys.core.errors import TrainingError
+from lmsys.core.errors import LmsysError, TrainingError
 from lmsys.model import ops
 
 KERNELS = ("attention", "layer_norm", "add_layer_norm", "linear_cross_entropy")
@@ -61,11 +61,12 @@ class KernelCheck:
     def line(self) -> str:
         """The startup line."""
         dtype = str(self.dtype).removeprefix("torch.")
-        ok = ", ".join(self.passed) or "none"
-        head = f"kernel self-check on {self.device} at {dtype}: {ok} match torch (forward and backward)"
+        found = []
+        if self.passed:
+            found.append(f"{', '.join(self.passed)} match torch (forward and backward)")
         if self.failed:
-            head += f"; {', '.join(f.kernel for f in self.failed)} fell back to torch"
-        return f"{head} ({self.seconds:.1f} s)"
+            found.append(f"{', '.join(f.kernel for f in self.failed)} fell back to torch")
+        return f"kernel self-check on {self.device} at {dtype}: {'; '.join(found)} ({self.seconds:.1f} s)"
 
 
 def kernels_used(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> list[str]:
@@ -218,6 +219,9 @@ def check_kernels(
         return result
     tol = TOLERANCE.get(dtype, TOLERANCE[torch.float32])
     gen = torch.Generator().manual_seed(0)
+    if device.type == "cpu" and "linear_cross_entropy" in names:
+        # the fused loss on CPU needs the interpreter: selected, or one user error line (ops')
+        ops.prepare_interpreted_loss(torch.empty(0, dtype=dtype), cfg.kernels)
     try:
         cases = _cases(cfg, seq_len, dtype, device, gen)
     except Exception as exc:  # the kernels' module failed to import or build: each fails alike
@@ -228,6 +232,8 @@ def check_kernels(
         kernel, reference, inputs, input_names = cases[name]
         try:
             error = _run_case(kernel, reference, inputs, input_names, tol, break_kernel == name, gen)
+        except LmsysError:  # a setting that cannot run here: the user's to fix, not a kernel's fault
+            raise
         except Exception as exc:  # a launch failure, a compile error: the kernel cannot serve
             error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
         if error is None:
@@ -242,7 +248,9 @@ def check_kernels(
 
 def settle(result: KernelCheck, mode: str, warn: Callable[[str], None]) -> None:
     """Act on the check: under model.kernels=triton a failure is an error; otherwise each failed
-    kernel falls back to torch, with one warning."""
+    kernel falls back to torch, with one warning. The fallbacks are this check's alone (a
+    multirun's earlier job may have left others)."""
+    ops.reset_fallbacks()
     for failure in result.failed:
         what = (
             f"the Triton kernel {failure.kernel} on {result.device} "

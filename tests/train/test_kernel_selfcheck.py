@@ -43,10 +43,8 @@ def test_a_broken_kernel_falls_back_under_auto_and_stops_the_run_under_triton(ru
         "forward output differs by 1 (tolerance 0.0001 of the largest value); it falls back to its torch "
         "reference for this run"
     ], auto.stderr
-    assert (
-        "lmsys-train: kernel self-check on cpu at float32: none match torch (forward and backward); "
-        "linear_cross_entropy fell back to torch (" in auto.stdout
-    ), auto.stdout
+    line = "lmsys-train: kernel self-check on cpu at float32: linear_cross_entropy fell back to torch ("
+    assert line in auto.stdout, auto.stdout
     assert sorted(auto.losses()) == [1, 2]
 
     triton = done["triton"]
