@@ -25,8 +25,9 @@ requeued SLURM job picks up where it stopped. SIGTERM, SIGUSR1 (preemption, a ti
 SIGHUP are passed to the running job, which saves its step and stops; the sweep then records it
 as "preempted" and exits 75 (EXIT_REQUEUE), the status launch/slurm.sbatch requeues on (Ctrl-C:
 "interrupted", 130). A job that fails stops the sweep (exit status of the job) unless
---keep-going. Options other than those below (--nnodes, --rdzv-*, ...) go to launch/torchrun.py
-for every job.
+--keep-going; a job that the hang watchdog ended (exit 86, a stuck rank) has the watchdog's line,
+which names the rank, repeated and recorded in sweep.json ("error"). Options other than those
+below (--nnodes, --rdzv-*, ...) go to launch/torchrun.py for every job.
 
 Over several nodes: the same command on every node with the same --sweep-dir (shared filesystem);
 each job gets a rendezvous id of its own (`<id>-job<num>`: torchrun closes a rendezvous when its
@@ -54,7 +55,7 @@ from launch.torchrun import Plan, make_plan  # noqa: E402
 from launch.torchrun import build_parser as launcher_parser  # noqa: E402
 from lmsys.cli import run_cli  # noqa: E402
 from lmsys.core.console import warn  # noqa: E402
-from lmsys.core.errors import EXIT_REQUEUE, ConfigError, Stopped, UsageError  # noqa: E402
+from lmsys.core.errors import EXIT_REQUEUE, EXIT_STUCK_RANK, ConfigError, Stopped, UsageError  # noqa: E402
 from lmsys.core.files import atomic_write_text  # noqa: E402
 from lmsys.sweep.multirun import SWEEP_FILE, check_jobs, expand_sweep, sweep_name  # noqa: E402
 from lmsys.sweep.summary import summarize  # noqa: E402
@@ -238,6 +239,12 @@ def _open_index(sweep_dir: Path, group: str | None, overrides: list[str], jobs: 
     return index
 
 
+def _stuck_line(entry: dict) -> str | None:
+    """The hang watchdog's line of a job it ended (lmsys/training/watchdog.py writes it)."""
+    path = Path(entry["run_dir"]) / "diagnostics" / "hang.txt"
+    return path.read_text(encoding="utf-8").strip() if path.is_file() else None
+
+
 def _run_jobs(index: dict, commands: list[list[str]], keep_going: bool, save) -> int:
     """Every job not completed yet, in order; the sweep's exit status."""
     exit_code, total = 0, len(commands)
@@ -272,10 +279,14 @@ def _run_jobs(index: dict, commands: list[list[str]], keep_going: bool, save) ->
                 returncode=code,
                 seconds=round(time.perf_counter() - t0, 1),
             )
+            stuck = _stuck_line(entry) if code == EXIT_STUCK_RANK else None
+            if stuck:
+                entry["error"] = stuck
             save()
             if code != 0:
+                why = f": {stuck}" if stuck else ""
                 print(
-                    f"{PROG}: job {i + 1}/{total} ({entry['run_dir']}) failed with exit status {code}",
+                    f"{PROG}: job {i + 1}/{total} ({entry['run_dir']}) failed with exit status {code}{why}",
                     file=sys.stderr,
                     flush=True,
                 )

@@ -39,8 +39,11 @@ short; a second Ctrl-C does (the checkpoint being written is abandoned, never le
 Workers get OMP_NUM_THREADS = cores / processes unless it is set. Exit status: 0; 2 for bad
 arguments or environment; 3 when the rendezvous fails (endpoint silent, nodes missing); 75
 (EXIT_REQUEUE) when stopped by SIGTERM or SIGUSR1: requeue the job (or run it again) and
-trainer.resume=auto continues from the saved step; 130 after Ctrl-C; otherwise that of the first
-worker that failed (128 + signal number when it was killed).
+trainer.resume=auto continues from the saved step; 130 after Ctrl-C; 86 (EXIT_STUCK_RANK) when the
+trainer's hang watchdog found a rank that stopped making progress (trainer.hang_timeout_s): the
+launcher repeats its line, which names the rank, and kills every worker left on this node, a
+frozen one included (launch/stuck.py); otherwise that of the first worker that failed (128 +
+signal number when it was killed).
 """
 
 from __future__ import annotations
@@ -65,8 +68,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `python launch/torchrun.py` as well as `python -m launch.torchrun`
     sys.path.insert(0, str(REPO_ROOT))
 
+from launch.stuck import HangRelay  # noqa: E402
 from lmsys.cli import run_cli  # noqa: E402  (after the path set-up above)
-from lmsys.core.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, LmsysError  # noqa: E402
+from lmsys.core.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, EXIT_STUCK_RANK, LmsysError  # noqa: E402
 from lmsys.training.stopping import LAUNCH_COMMAND_ENV  # noqa: E402
 
 PROG = "lmsys-launch"
@@ -496,11 +500,22 @@ def run_torchrun(plan: Plan, overrides: list[str]) -> int:
     args = get_args_parser().parse_args(plan.torchrun_args(overrides))
     for name in ("agent.server.api", "multiprocessing.api"):
         logging.getLogger(f"torch.distributed.elastic.{name}").addFilter(_QuietShutdown())
+
+    # a stuck rank: the watchdog's line, every worker ended (launch/stuck.py); said at once when
+    # torchrun may restart the workers after it
+    def say(line: str) -> None:
+        print(f"{PROG}: warning: {line}", file=sys.stderr, flush=True)
+
+    relay = HangRelay.start(say if plan.max_restarts > 0 else None)
     try:
         _patient_signals(elastic_api)
         run(args)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
+        stuck = relay.line()
+        if stuck and failure.exitcode in (EXIT_STUCK_RANK, -signal.SIGKILL):  # the watchdog's doing
+            print(f"{PROG}: error: {stuck}", file=sys.stderr, flush=True)
+            return EXIT_STUCK_RANK
         if failure.exitcode in (EXIT_REQUEUE, EXIT_INTERRUPTED):  # a worker stopped on a signal, saved
             return _stopped(failure.exitcode, f"worker rank {rank}")
         if failure.exitcode < 0:
@@ -539,6 +554,8 @@ def run_torchrun(plan: Plan, overrides: list[str]) -> int:
         if exc.sigval == signal.SIGINT:
             return _stopped(EXIT_INTERRUPTED, exc.sigval.name)
         return _stopped(128 + int(exc.sigval), f"signal {exc.sigval.name}")
+    finally:
+        relay.stop()
     return 0
 
 

@@ -32,6 +32,8 @@ KEY_HELP = [
     ("logger.wandb", "offline | online (needs WANDB_API_KEY) | disabled"),
     ("logger.console_interval", "steps between progress lines in a log file (no terminal)"),
     ("trainer.progress", "the progress bar in a terminal (false: progress lines instead)"),
+    ("trainer.deterministic", "bitwise-equal reruns (deterministic torch ops, fixed kernel tilings)"),
+    ("trainer.hang_timeout_s", "no progress this long: name the stuck ranks, end the job, exit 86 (0: off)"),
 ]
 
 EXAMPLES = """\

@@ -222,6 +222,12 @@ class TrainerConfig:
     # (a failure is an error), false (eager)
     compile: str = "auto"
     dist_timeout_s: float = 600.0  # collective timeout: a dead or hung rank brings the job down
+    # No progress for this long on a rank: the watchdog names the ranks that did not arrive, writes
+    # every rank's stacks to <run>/diagnostics and ends the job (exit 86); 0 turns it off
+    hang_timeout_s: float = 300.0
+    # Bitwise-reproducible runs: torch's deterministic algorithms (an op without one is an error),
+    # CUBLAS_WORKSPACE_CONFIG, fixed Triton tilings (docs/debugging.md: what it costs)
+    deterministic: bool = False
     # Fault injection for tests (leave empty in real runs): make the loss NaN at these steps,
     # sleep this long after every step, make the last rank exit at this step on a first attempt,
     # make the last rank send itself SIGTERM during this step (a preemption that reaches one rank),
@@ -234,6 +240,9 @@ class TrainerConfig:
     # "MODULE:PASS:rankR:stepS[:microM]", PASS forward | backward | weights: a NaN in that module's
     # output, its input gradient, or (after the step) its weights (lmsys/training/faults.py)
     debug_nonfinite_at: list[str] = field(default_factory=list)
+    debug_hang_step: int = 0  # the last rank hangs at the start of this step ...
+    debug_hang_how: str = "sleep"  # ... asleep, or frozen with SIGSTOP ("stop")
+    debug_break_kernel: str = ""  # the kernel self-check sees this kernel's output perturbed
 
 
 @dataclass
@@ -432,6 +441,15 @@ def validate(cfg: Config) -> Config:
             "with PASS forward, backward or weights (e.g. blocks.1.attn:backward:rank1:step4)",
         )
     _require(t.dist_timeout_s > 0, f"trainer.dist_timeout_s={t.dist_timeout_s} must be > 0")
+    _require(
+        t.hang_timeout_s == 0 or 0 < t.hang_timeout_s < t.dist_timeout_s,
+        f"trainer.hang_timeout_s={t.hang_timeout_s:g} must be below trainer.dist_timeout_s="
+        f"{t.dist_timeout_s:g} (the watchdog names a stuck rank before the collective timeout ends the "
+        "job), or 0 (off)",
+    )
+    _one_of("trainer.debug_hang_how", t.debug_hang_how, ("sleep", "stop"))
+    kernel_names = ("", "attention", "layer_norm", "add_layer_norm", "linear_cross_entropy")
+    _one_of("trainer.debug_break_kernel", t.debug_break_kernel, kernel_names)
     _require(
         compile_choice(t.compile) in COMPILE_CHOICES,
         f"trainer.compile={t.compile} is not valid; choose one of: {', '.join(COMPILE_CHOICES)}",

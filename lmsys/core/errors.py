@@ -55,6 +55,9 @@ class TrainingError(LmsysError, RuntimeError):
 # launch/sweep.py and launch/slurm.sbatch pass it on; the SLURM script requeues the job on it.
 EXIT_REQUEUE = 75
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as lmsys.cli.run_cli reports it
+# A job ended by the hang watchdog (lmsys/training/watchdog.py): a rank made no progress for
+# trainer.hang_timeout_s; the line names it. Not 124 (coreutils `timeout`), which a wrapper may use.
+EXIT_STUCK_RANK = 86
 
 
 class Stopped(Exception):

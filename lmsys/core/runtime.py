@@ -64,6 +64,20 @@ def resolve_precision(choice: str, device: torch.device) -> str:
     return choice
 
 
+def make_deterministic() -> None:
+    """trainer.deterministic=true: every op of this process computes the same bits from the same
+    inputs. Before CUDA starts: cuBLAS needs a fixed workspace (CUBLAS_WORKSPACE_CONFIG, read
+    when its handle is created) to pick one reduction order. torch then uses its deterministic
+    kernels and raises at the first op that has none (the error names it); cuDNN stops
+    benchmarking algorithms. The Triton attention kernels see the mode and launch one fixed tiling
+    instead of the autotuner's fastest (kernels/flash_attention.py); the other kernels have fixed
+    tilings, and none uses atomics."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
 def seed_everything(seed: int) -> None:
     """Seed Python's, numpy's and torch's generators (every rank alike: identical initial weights)."""
     random.seed(seed)

@@ -36,6 +36,7 @@ EVAL_PLOT_FILE = "eval.png"
 CHECKPOINTS = "checkpoints"
 WANDB_DIR = "wandb"
 EXPORT_DIR = "export"
+DIAGNOSTICS = "diagnostics"  # what a run writes when it goes wrong (hang-rank-<K>.txt, ...)
 
 
 # ----------------------------------------------------------------------------- reading

@@ -107,7 +107,24 @@ def _warn_interpreted(device: str) -> None:
     )
 
 
-def use_triton(x: torch.Tensor, kernels: str) -> bool:
+# Kernels the self-check (lmsys/model/selfcheck.py) found wrong on this process's device: they run
+# as their torch references from then on, whatever model.kernels says.
+_FALLEN_BACK: set[str] = set()
+
+
+def fall_back(kernel: str) -> None:
+    """Run `kernel` ("attention", "layer_norm", "add_layer_norm", "linear_cross_entropy") as its
+    torch reference in this process from now on."""
+    _FALLEN_BACK.add(kernel)
+
+
+def reset_fallbacks() -> None:
+    _FALLEN_BACK.clear()
+
+
+def use_triton(x: torch.Tensor, kernels: str, kernel: str | None = None) -> bool:
+    if kernel in _FALLEN_BACK:
+        return False
     if kernels == "triton":
         return True
     if kernels == "torch":
@@ -146,7 +163,7 @@ def attention(
     if softmax == "matrix":
         return matrix_softmax_attention(q, k, v, causal=causal, scale=scale)
     same_length = q.shape[2] == k.shape[2]
-    if same_length and use_triton(q, kernels):
+    if same_length and use_triton(q, kernels, "attention"):
         from kernels.flash_attention import flash_attention  # the custom op (torch.compile traces it)
 
         return flash_attention(q, k, v, causal, scale)
@@ -218,7 +235,7 @@ def layer_norm(
     the Triton kernel, or its torch definition (kernels/reference.py); "none" is the identity."""
     if formula == "none":
         return x
-    if use_triton(x, kernels):
+    if use_triton(x, kernels, "layer_norm"):
         from kernels.layer_norm import layer_norm as triton_layer_norm  # the custom op: module docstring
 
         return triton_layer_norm(x, weight, bias, eps, formula)
@@ -239,7 +256,7 @@ def add_layer_norm(
     if formula == "none":
         summed = x + residual
         return summed, summed
-    if use_triton(x, kernels):
+    if use_triton(x, kernels, "add_layer_norm"):
         from kernels.layer_norm import add_layer_norm as fused  # the custom op: module docstring
 
         return fused(x, residual, weight, bias, eps, formula)
@@ -255,9 +272,12 @@ _FUSED_LOSS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def loss_implementation(h: torch.Tensor, loss_impl: str, kernels: str) -> str:
     """What `model.loss_impl` means for hidden states `h`: "fused", "chunked" or "full" as set, and
     "auto" is fused where model.kernels runs Triton (CUDA tensors under "auto"), chunked elsewhere."""
+    if loss_impl == "fused" and "linear_cross_entropy" in _FALLEN_BACK:
+        return "chunked"  # the self-check found the kernel wrong on this device
     if loss_impl != "auto":
         return loss_impl
-    return "fused" if use_triton(h, kernels) and h.dtype in _FUSED_LOSS_DTYPES else "chunked"
+    fused = use_triton(h, kernels, "linear_cross_entropy") and h.dtype in _FUSED_LOSS_DTYPES
+    return "fused" if fused else "chunked"
 
 
 def linear_cross_entropy(
@@ -275,7 +295,7 @@ def linear_cross_entropy(
     impl = loss_implementation(h, loss_impl, kernels)
     if impl == "fused":
         if not h.is_cuda:
-            _prepare_interpreted_loss(h, kernels)
+            prepare_interpreted_loss(h, kernels)
         # imports triton, so only when the kernel runs (the module docstring says why)
         from kernels.linear_cross_entropy import linear_cross_entropy as fused  # the custom op
 
@@ -285,7 +305,7 @@ def linear_cross_entropy(
     return chunked_linear_cross_entropy(h, weight, targets, weights, bias)
 
 
-def _prepare_interpreted_loss(h: torch.Tensor, kernels: str) -> None:
+def prepare_interpreted_loss(h: torch.Tensor, kernels: str) -> None:
     """The fused loss on a CPU tensor runs in the Triton interpreter: select it if triton is not
     imported yet (as prepare_kernels does for model.kernels=triton), or say in one line why not."""
     device = str(h.device)

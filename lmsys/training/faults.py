@@ -12,6 +12,10 @@ defaults, which inject nothing.
                                          output (forward), in the gradient it passes to its input
                                          (backward; optionally on micro-batch M only: ...:microM), or
                                          in one of its weights after the step (weights)
+    trainer.debug_hang_step=4            the last rank hangs at the start of this step, first attempt
+                                         only: asleep (trainer.debug_hang_how=sleep) or frozen with
+                                         SIGSTOP (=stop), for the hang watchdog (training/watchdog.py)
+    trainer.debug_break_kernel=attention the kernel self-check sees that kernel's output perturbed
 
 The trainer calls the hooks at fixed points of a step: `before_step`, `poison_loss` on each
 micro-batch's loss, `after_step`; the checkpoint save reads `save_pause_s`. A non-finite
@@ -116,6 +120,9 @@ class Faults:
     crash_at_step: int = 0
     signal_at_step: int = 0
     save_pause_s: float = 0.0
+    hang_step: int = 0
+    hang_how: str = "sleep"
+    break_kernel: str = ""  # read by the kernel self-check (lmsys/model/selfcheck.py)
     rank: int = 0
     last_rank: bool = False  # crashes and signals reach the last rank only
     first_attempt: bool = True  # crashes happen on a job's first attempt only (torchrun restarts)
@@ -129,6 +136,9 @@ class Faults:
             crash_at_step=t.debug_crash_at_step,
             signal_at_step=t.debug_signal_at_step,
             save_pause_s=t.debug_save_delay_s,
+            hang_step=t.debug_hang_step,
+            hang_how=t.debug_hang_how,
+            break_kernel=t.debug_break_kernel,
             rank=rank,
             last_rank=rank == world_size - 1,
             first_attempt=restarts == 0,
@@ -141,11 +151,17 @@ class Faults:
             injection.arm(model)
 
     def before_step(self, step: int) -> None:
-        """A preemption that reaches one rank: the last rank signals itself during `step`."""
+        """A preemption that reaches one rank: the last rank signals itself during `step`; or the
+        last rank hangs there."""
         for injection in self.nonfinite:
             injection.begin_step(step)
         if step == self.signal_at_step and self.last_rank:
             os.kill(os.getpid(), signal.SIGTERM)
+        if step == self.hang_step and self.last_rank and self.first_attempt:
+            if self.hang_how == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)  # every thread, the watchdog's too
+            else:
+                time.sleep(24 * 3600)  # the watchdog's thread still runs, and answers
 
     def poison_loss(self, step: int, micro_batch: int, loss: torch.Tensor) -> torch.Tensor:
         """The loss as computed, or NaN on the first micro-batch of a trainer.debug_nan_steps step."""

@@ -17,7 +17,13 @@ import torch.distributed as dist
 from lmsys.core.config import Config, config_to_dict
 from lmsys.core.console import Console
 from lmsys.core.errors import ConfigError, LmsysError
-from lmsys.core.runtime import env_dist_info, resolve_device, resolve_precision, resume_batch_plan
+from lmsys.core.runtime import (
+    env_dist_info,
+    make_deterministic,
+    resolve_device,
+    resolve_precision,
+    resume_batch_plan,
+)
 from lmsys.engine import checkpoint as ckpt
 from lmsys.engine import rundir
 from lmsys.engine import zero as eng
@@ -32,6 +38,8 @@ def elastic_ids() -> tuple[str | None, int]:
 def start_processes(cfg: Config) -> tuple[torch.device, str]:
     """Device, kernels and precision, then the process group."""
     t = cfg.trainer
+    if t.deterministic:
+        make_deterministic()  # before CUDA starts (cuBLAS reads its workspace setting then)
     device = resolve_device(t.device, env_dist_info().local_rank, key="trainer.device")
     prepare_kernels(cfg.model.kernels, device)  # before anything imports triton (DeepSpeed does)
     precision = resolve_precision(cfg.deepspeed.precision, device)

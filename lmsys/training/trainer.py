@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 from lmsys.core.config import Config, config_to_dict
 from lmsys.core.console import Console, StepReport
 from lmsys.core.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, Stopped, TrainingError
-from lmsys.core.runtime import Setup, batch_plan, env_dist_info, seed_everything
+from lmsys.core.runtime import DTYPES, Setup, batch_plan, env_dist_info, seed_everything
 from lmsys.data.loader import Batch, TokenLoader
 from lmsys.data.shards import PreparedData
 from lmsys.engine import checkpoint as ckpt
@@ -44,6 +44,7 @@ from lmsys.engine import rundir
 from lmsys.engine import zero as eng
 from lmsys.interop.exports import initial_model
 from lmsys.model.compiling import compile_errors, compile_stats, compile_summary, say_compiled
+from lmsys.model.selfcheck import check_kernels, settle
 from lmsys.model.transformer import Transformer, next_token_pairs
 from lmsys.training.faults import Faults
 from lmsys.training.health import Event, Health, StepData, scales_of
@@ -58,6 +59,7 @@ from lmsys.training.run_plan import (
     start_processes,
 )
 from lmsys.training.stopping import StopRequest, continue_command
+from lmsys.training.watchdog import Watchdog
 
 PROG = "lmsys-train"
 
@@ -86,6 +88,11 @@ class Trainer:
         self.report = Reporter(console, cfg.logger.log_interval)
         self.faults = Faults.of(t, setup.rank, setup.world_size, restarts=elastic_ids()[1])
         seed_everything(t.seed)  # identical initialisation on every rank
+        # each Triton kernel the run uses against its torch reference on this device (own RNG)
+        self.kernel_check = check_kernels(
+            cfg.model, plan.seq_len, setup.device, DTYPES[setup.precision], self.faults.break_kernel
+        )
+        settle(self.kernel_check, cfg.model.kernels, self.report.warn)
         model = self._first_model(data, run)
         self.n_params = model.num_parameters()
         self.flops_per_token = model.flops_per_token(plan.seq_len)
@@ -131,6 +138,19 @@ class Trainer:
         self.last_val: float | None = None
         self.saved_step = self.start_step if run.resume is not None else -1
         self.stats_written = False
+        self.watchdog = Watchdog(  # the loop reports where it is; fit() starts the thread
+            t.hang_timeout_s,
+            setup.rank,
+            setup.world_size,
+            self.run_dir,
+            console.prog,
+            self.report.warn,
+            lambda: (
+                f"; trainer.resume=auto continues from the checkpoint of step {self.saved_step}"
+                if self.saved_step > 0
+                else "; no checkpoint was saved yet"
+            ),
+        )
 
     def _first_model(self, data: PreparedData, run: RunPlan) -> Transformer:
         """A new model, or with model.init_from the export's weights (unless the run resumes:
@@ -237,6 +257,7 @@ class Trainer:
             (info.activation_checkpointing, ", activation checkpointing"),
             (info.offload_optimizer, ", offload optimizer"),
             (info.offload_param, ", offload params"),
+            (cfg.trainer.deterministic, ", deterministic"),
         ]
         prog = self.console.prog
         self.console.say(
@@ -252,6 +273,8 @@ class Trainer:
             + f"\n{prog}: validation every {cfg.trainer.eval_interval} steps on {self.val_coverage()}"
             + ("" if cfg.trainer.eval_batches == 0 else " (trainer.eval_batches=0: the whole split)")
         )
+        if self.kernel_check.passed or self.kernel_check.failed:
+            self.console.say(f"{prog}: {self.kernel_check.line()}")
         if self.report.wandb_line():
             self.report.note(self.report.wandb_line())
 
@@ -287,6 +310,8 @@ class Trainer:
         start = time.perf_counter()
         engine, plan, device = self.engine, self.setup.plan, self.setup.device
         self.stop.begin_step(step)  # Ctrl-C's acknowledgement names it
+        at = self.watchdog.at
+        at(step, "start")
         self.faults.before_step(step)
         lr = eng.lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
         eng.set_lr(engine, lr)
@@ -297,6 +322,7 @@ class Trainer:
         micro_batches = plan.grad_accum * self.setup.world_size
         totals = torch.zeros(3, dtype=torch.float64, device=device)  # (weighted loss, preempt, interrupt)
         for i, batch in enumerate(batches):
+            at(step, "forward", i)
             loss = engine(
                 batch.tokens.to(device, non_blocking=True), batch.weights.to(device, non_blocking=True)
             )
@@ -305,16 +331,19 @@ class Trainer:
             # DeepSpeed averages the micro-batch gradients of all ranks: scaling each by its share
             # of the step's weights times their count makes that average the weighted mean's.
             scale = weights[i] * micro_batches / global_weight if global_weight > 0 else 0.0
+            at(step, "backward", i)
             engine.backward(loss if scale == 1.0 else loss * scale)
             if i < plan.grad_accum - 1:
                 engine.step()  # not a boundary: DeepSpeed only counts the micro-step
         totals[1], totals[2] = self.stop.flags()  # read as late as possible; summed over the ranks
+        at(step, "loss all-reduce")
         dist.all_reduce(totals)
         weighted_loss, preempt, interrupt = totals.tolist()
         step_loss = weighted_loss / global_weight if global_weight > 0 else 0.0
         # A bad step is replayed before its update, on the weights it ran with (health.py).
         seen = StepData(step, loader_step, batches, scales_of(weights, global_weight), step_loss)
         event = self.health.investigate(engine, self.loader, seen, self.health.verdict(step_loss))
+        at(step, "optimizer step")
         outcome = eng.optimizer_step(engine, math.isfinite(step_loss))
         if event is None:
             after = self.health.after_update(step_loss, outcome.grad_norm, outcome.applied)
@@ -384,7 +413,8 @@ class Trainer:
         engine.eval()
         total = torch.zeros(2, dtype=torch.float64, device=device)  # (weighted loss, weight)
         with torch.no_grad():
-            for batch in self.loader.val_batches(self.cfg.trainer.eval_batches):
+            for i, batch in enumerate(self.loader.val_batches(self.cfg.trainer.eval_batches)):
+                self.watchdog.at(self.state.step, "evaluation", i)
                 weight = self._prediction_weight(batch)
                 loss = engine(batch.tokens.to(device), batch.weights.to(device))  # every rank runs it
                 if weight > 0:  # the whole split's last round may hold only weight-0 filler rows
@@ -401,6 +431,7 @@ class Trainer:
     def save(self, announce: bool = True) -> Path:
         """A checkpoint of the step just finished (lmsys/engine/checkpoint.py); every rank calls it."""
         rank_state = {"loader": self.loader.state_dict(), "rng": ckpt.rng_state()}
+        self.watchdog.at(self.state.step, "checkpoint save")
         start = time.perf_counter()
         saved = ckpt.save(
             self.engine,
@@ -429,6 +460,8 @@ class Trainer:
         self.engine.train()
         self.stop.armed = True
         stop: str | None = None
+        if t.hang_timeout_s > 0:
+            self.watchdog.start(self.start_step)
         try:
             with self.report.steps(self.start_step + 1, t.max_steps):
                 step = self.start_step
@@ -456,6 +489,8 @@ class Trainer:
         except BaseException as exc:
             self.report.close(exit_code=exc.exit_code if isinstance(exc, Stopped) else 1)
             raise
+        finally:
+            self.watchdog.stop()
         self._finish(time.perf_counter() - started)
 
     def _rewind(self, event: Event) -> int:

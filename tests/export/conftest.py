@@ -299,8 +299,8 @@ def jobs(tmp_path_factory, data_dir) -> dict[str, Job]:
         "model=tiny", *model, "deepspeed=zero2", f"data.dir={data_dir}", f"trainer.max_steps={TRAIN_STEPS}",
         f"trainer.global_batch_tokens={TRAIN_BATCH * SEQ}", "trainer.micro_batch_size=4",
         "trainer.eval_interval=3", "trainer.eval_batches=2", "trainer.save_interval=3",
-        "trainer.progress=false", "trainer.dist_timeout_s=120", "optim.lr=3e-3", "optim.warmup_steps=2",
-        "logger=none", f"trainer.run_dir={run_dir}",
+        "trainer.progress=false", "trainer.dist_timeout_s=120", "trainer.hang_timeout_s=100",
+        "optim.lr=3e-3", "optim.warmup_steps=2", "logger=none", f"trainer.run_dir={run_dir}",
     ]  # fmt: skip
     started["train"] = Job("torchrun -m lmsys.train", _torchrun(2, "-m", "lmsys.train", *overrides), run_dir)
     yield started

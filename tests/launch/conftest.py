@@ -38,6 +38,7 @@ TINY = [
     "trainer.save_interval=3",
     "trainer.progress=false",
     "trainer.dist_timeout_s=120",
+    "trainer.hang_timeout_s=100",
     "optim.lr=3e-3",
     "optim.warmup_steps=2",
     "deepspeed=zero2",

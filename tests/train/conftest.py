@@ -46,6 +46,7 @@ COMMON = [
     "trainer.keep_last=3",
     "trainer.progress=false",
     "trainer.dist_timeout_s=120",
+    "trainer.hang_timeout_s=100",
     "optim.lr=3e-3",
     "optim.warmup_steps=2",
     "logger=none",

@@ -1,0 +1,266 @@
+"""The kernel self-check: before a run's first step, each Triton kernel the run will use is
+compared with its torch reference on this device, at the run's widths and dtype.
+
+The kernels are tested against their references in CI, but under the Triton CPU interpreter: a
+real GPU (a new architecture, another Triton or driver) can miscompile or fail to launch one.
+So each kernel the model will call (attention, layer norm, add + layer norm, the fused linear
+cross-entropy) runs once, forward and backward, on one small batch at the model's head widths,
+d_model, vocabulary and dtype, against its reference in float64 on the same rounded inputs. The
+tolerance comes from the dtype (`TOLERANCE`). Under model.kernels=auto a kernel that differs or
+fails to launch falls back to its torch reference for the rest of the process (lmsys.model.ops
+.fall_back) with one warning naming it, the error and the tolerance; under model.kernels=triton it
+is an error. On CPU, model.kernels=triton runs the same check under the interpreter.
+
+`break_kernel` (trainer.debug_break_kernel) perturbs one kernel's output inside the check, so
+tests can see the fallback and the error without a broken GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.reference import (
+    add_layer_norm_reference,
+    attention_reference,
+    layer_norm_reference,
+    linear_cross_entropy_reference,
+)
+from lmsys.core.config import ModelConfig, model_dims
+from lmsys.core.errors import LmsysError, TrainingError
+from lmsys.model import ops
+
+KERNELS = ("attention", "layer_norm", "add_layer_norm", "linear_cross_entropy")
+# (dtype) -> bound, as atol relative to the largest expected magnitude (at least 1) and as rtol:
+# a few times the kernel tests' bounds against float64 (tests/kernels/), far below what a wrong
+# tile, mask or reduction gives (errors of the order of the values themselves).
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 8e-2}
+MAX_TOKENS = 128  # tokens per check: one small call, at most the run's sequence length
+
+
+@dataclass(frozen=True)
+class Failure:
+    kernel: str
+    error: str  # "forward output differs by 0.5" or the launch's exception, one line
+    tolerance: float
+
+
+@dataclass
+class KernelCheck:
+    """What the self-check found on this device."""
+
+    device: str
+    dtype: torch.dtype
+    passed: list[str] = field(default_factory=list)
+    failed: list[Failure] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        """The startup line."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        found = []
+        if self.passed:
+            found.append(f"{', '.join(self.passed)} match torch (forward and backward)")
+        if self.failed:
+            found.append(f"{', '.join(f.kernel for f in self.failed)} fell back to torch")
+        return f"kernel self-check on {self.device} at {dtype}: {'; '.join(found)} ({self.seconds:.1f} s)"
+
+
+def kernels_used(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> list[str]:
+    """The Triton kernels a training run of `cfg` calls on `device`."""
+    probe = torch.empty(0, device=device, dtype=dtype)
+    if not ops.use_triton(probe, cfg.kernels):
+        used: list[str] = []
+    else:
+        norms = cfg.norm.formula != "none"
+        used = [
+            name
+            for name, on in (
+                ("attention", cfg.attention.softmax == "row"),
+                ("layer_norm", norms and (cfg.final_norm or cfg.block in ("pre", "post", "parallel"))),
+                ("add_layer_norm", norms and cfg.block in ("pre", "post")),
+            )
+            if on
+        ]
+    if ops.loss_implementation(probe, cfg.loss_impl, cfg.kernels) == "fused":
+        used.append("linear_cross_entropy")
+    return used
+
+
+def _random(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, gen: torch.Generator
+) -> torch.Tensor:
+    return torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+
+
+def _compare(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> str | None:
+    """None when `got` is within the tolerance of `want` (float64), else what differs."""
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    bound = tol * max(1.0, want.abs().max().item()) + tol * want.abs()
+    if got.shape != want.shape:
+        return f"{name} has shape {tuple(got.shape)}, not {tuple(want.shape)}"
+    error = (got - want).abs()
+    if not torch.isfinite(got).all() or (error > bound).any():
+        return f"{name} differs by {error.max().item():.3g}"
+    return None
+
+
+def _run_case(
+    kernel: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]],
+    reference: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]],
+    inputs: list[torch.Tensor],
+    names: list[str],
+    tol: float,
+    perturb: bool,
+    gen: torch.Generator,
+) -> str | None:
+    """Forward and backward of `kernel` and of `reference` (float64) on `inputs`; what differs."""
+    ours = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    theirs = [x.detach().double().requires_grad_(True) if x.is_floating_point() else x for x in inputs]
+    out = kernel(*ours)
+    want = reference(*theirs)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    wants = list(want) if isinstance(want, tuple) else [want]
+    if perturb:  # trainer.debug_break_kernel: a kernel that computes something else
+        outs[0] = outs[0] + 1.0
+    for i, (o, w) in enumerate(zip(outs, wants)):
+        what = f"forward output {i}" if len(outs) > 1 else "forward output"
+        if (diff := _compare(what, o, w, tol)) is not None:
+            return diff
+    grads = [_random(tuple(w.shape), torch.float32, torch.device("cpu"), gen) for w in wants]
+    torch.autograd.backward(outs, [g.to(o.device, o.dtype) for g, o in zip(grads, outs)])
+    torch.autograd.backward(wants, [g.double() for g in grads])
+    for name, a, b in zip(names, ours, theirs):
+        if a.is_floating_point() and b.grad is not None:
+            if a.grad is None:
+                return f"backward gave no gradient for {name}"
+            if (diff := _compare(f"backward d{name}", a.grad, b.grad, tol)) is not None:
+                return diff
+    return None
+
+
+def _cases(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator):
+    """kernel name -> (kernel, reference, inputs, input names), each one small call at the run's widths."""
+    dims = model_dims(cfg)
+    t = max(1, min(seq_len, MAX_TOKENS))
+    d, h = cfg.d_model, cfg.n_heads
+    affine = cfg.norm.affine
+    weight = _random((d,), dtype, device, gen) if affine else None
+    bias = _random((d,), dtype, device, gen) if affine else None
+    norm_params = [p for p in (weight, bias) if p is not None]
+    eps, formula = cfg.norm.eps, cfg.norm.formula
+
+    def with_affine(fn):  # (x, [residual], *affine) -> fn(x, [residual], weight, bias)
+        def call(*args):
+            n = len(args) - len(norm_params)
+            params = list(args[n:])
+            w = params.pop(0) if weight is not None else None
+            b = params.pop(0) if bias is not None else None
+            return fn(*args[:n], w, b)
+
+        return call
+
+    from kernels.flash_attention import flash_attention  # triton's import order: ops.prepare_kernels
+    from kernels.layer_norm import add_layer_norm, layer_norm
+    from kernels.linear_cross_entropy import linear_cross_entropy
+
+    causal, scale = cfg.attention.causal, dims.attention_scale
+    q = _random((1, h, t, dims.d_qk), dtype, device, gen)  # (B=1, H, T, d_qk)
+    k = _random((1, h, t, dims.d_qk), dtype, device, gen)
+    v = _random((1, h, t, dims.d_vo), dtype, device, gen)
+    x, residual = _random((t, d), dtype, device, gen), _random((t, d), dtype, device, gen)
+    hidden = _random((t, d), dtype, device, gen)
+    unembed = _random((cfg.vocab_size, d), dtype, device, gen) * d**-0.5
+    targets = torch.randint(0, cfg.vocab_size, (t,), generator=gen).to(device)
+    return {
+        "attention": (
+            lambda q, k, v: flash_attention(q, k, v, causal, scale),
+            lambda q, k, v: attention_reference(q, k, v, causal, scale),
+            [q, k, v],
+            ["q", "k", "v"],
+        ),
+        "layer_norm": (
+            with_affine(lambda x, w, b: layer_norm(x, w, b, eps, formula)),
+            with_affine(lambda x, w, b: layer_norm_reference(x, w, b, eps, formula)),
+            [x, *norm_params],
+            ["x", *(["weight"] if affine else []), *(["bias"] if affine else [])],
+        ),
+        "add_layer_norm": (
+            with_affine(lambda x, r, w, b: add_layer_norm(x, r, w, b, eps, formula)),
+            with_affine(lambda x, r, w, b: add_layer_norm_reference(x, r, w, b, eps, formula)),
+            [x, residual, *norm_params],
+            ["x", "residual", *(["weight"] if affine else []), *(["bias"] if affine else [])],
+        ),
+        "linear_cross_entropy": (
+            lambda h_, w_, t_: linear_cross_entropy(h_, w_, t_),
+            lambda h_, w_, t_: linear_cross_entropy_reference(h_, w_, t_),
+            [hidden, unembed, targets],
+            ["h", "weight", "targets"],
+        ),
+    }
+
+
+def check_kernels(
+    cfg: ModelConfig,
+    seq_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    break_kernel: str = "",
+    kernels: list[str] | None = None,
+) -> KernelCheck:
+    """Compare each kernel in `kernels` (default: those the run uses) with its reference."""
+    started = time.perf_counter()
+    names = kernels_used(cfg, device, dtype) if kernels is None else kernels
+    result = KernelCheck(str(device), dtype)
+    if not names:
+        return result
+    tol = TOLERANCE.get(dtype, TOLERANCE[torch.float32])
+    gen = torch.Generator().manual_seed(0)
+    if device.type == "cpu" and "linear_cross_entropy" in names:
+        # the fused loss on CPU needs the interpreter: selected, or one user error line (ops')
+        ops.prepare_interpreted_loss(torch.empty(0, dtype=dtype), cfg.kernels)
+    try:
+        cases = _cases(cfg, seq_len, dtype, device, gen)
+    except Exception as exc:  # the kernels' module failed to import or build: each fails alike
+        error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        result.failed = [Failure(n, error, tol) for n in names]
+        return result
+    for name in names:
+        kernel, reference, inputs, input_names = cases[name]
+        try:
+            error = _run_case(kernel, reference, inputs, input_names, tol, break_kernel == name, gen)
+        except LmsysError:  # a setting that cannot run here: the user's to fix, not a kernel's fault
+            raise
+        except Exception as exc:  # a launch failure, a compile error: the kernel cannot serve
+            error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        if error is None:
+            result.passed.append(name)
+        else:
+            result.failed.append(Failure(name, error, tol))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def settle(result: KernelCheck, mode: str, warn: Callable[[str], None]) -> None:
+    """Act on the check: under model.kernels=triton a failure is an error; otherwise each failed
+    kernel falls back to torch, with one warning. The fallbacks are this check's alone (a
+    multirun's earlier job may have left others)."""
+    ops.reset_fallbacks()
+    for failure in result.failed:
+        what = (
+            f"the Triton kernel {failure.kernel} on {result.device} "
+            f"({str(result.dtype).removeprefix('torch.')}): {failure.error} "
+            f"(tolerance {failure.tolerance:g} of the largest value)"
+        )
+        if mode == "triton":
+            raise TrainingError(
+                f"kernel self-check failed: {what}; model.kernels=auto falls back to torch for it, "
+                "model.kernels=torch uses torch everywhere"
+            )
+        ops.fall_back(failure.kernel)
+        warn(f"kernel self-check: {what}; it falls back to its torch reference for this run")
