@@ -17,6 +17,10 @@ KEY_HELP = [
     ("trainer.save_interval", "steps between checkpoints"),
     ("trainer.keep_last", "checkpoints kept"),
     ("trainer.device", "auto | cpu | cuda"),
+    (
+        "trainer.plan",
+        "memory plan before the engine: auto (refuse on CUDA, warn on CPU) | refuse | warn | off",
+    ),
     ("optim.lr", "peak learning rate (linear warmup, then cosine decay)"),
     ("optim.warmup_steps", "steps of linear warmup"),
     ("optim.decay_steps", "where the cosine ends (0: max_steps of the run's first launch)"),

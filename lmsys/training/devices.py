@@ -33,6 +33,7 @@ class Device:
     hbm_bytes_per_s: float | None
     interconnect_bytes_per_s: float | None  # per GPU, NVLink total (both directions)
     source: str
+    per_rank: bool = False  # memory_bytes is each rank's own (trainer.plan_memory_bytes), not shared
 
     def as_dict(self) -> dict[str, object]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}

@@ -37,6 +37,9 @@ only counts when it takes longer than the compute.
 from __future__ import annotations
 
 import math
+import os
+import resource
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -47,7 +50,8 @@ from lmsys.core.config import Config, model_dims
 from lmsys.core.errors import ConfigError
 from lmsys.core.runtime import BatchPlan, batch_plan
 from lmsys.model.transformer import Transformer
-from lmsys.training.devices import GIB, Device, cpu_flops
+from lmsys.training.devices import GIB, GPUS, Device, cpu_device, cpu_flops
+from lmsys.training.metrics import device_peak_flops
 
 MIB = 1 << 20
 # The MFU a GPU run of a GPT-2-sized dense model reaches with flash attention and fused kernels:
@@ -280,6 +284,15 @@ class Plan:
         """The peak without the allocator margin: what max_memory_allocated (or RSS) measures."""
         return self.peak_bytes - self.components["allocator_margin"]
 
+    def startup_line(self) -> str:
+        """lmsys-train's startup line: the prediction it checks against the measured peak."""
+        verdict = "fits" if self.fits else "does NOT fit"
+        return (
+            f"memory: predicted {mib(self.allocated_bytes)} per rank ({mib(self.peak_bytes)} with the "
+            f"allocator margin; {verdict} {mib(self.device_bytes)}), about {self.step_time_s:.3g} s per step "
+            f"(lmsys-plan lists the components)"
+        )
+
     def as_json(self) -> dict[str, Any]:
         return {
             "peak_bytes": self.peak_bytes,
@@ -383,7 +396,8 @@ def plan_launch(
     batch = batch_plan(cfg, world)
     components, host = memory_components(cfg, world, device, batch)
     seconds, flops, mfu, source = step_time(cfg, world, device, batch, cpu_rate)
-    available = device.memory_bytes // world if device.kind == "cpu" else device.memory_bytes
+    shared = device.kind == "cpu" and not device.per_rank  # the machine's memory, shared by its ranks
+    available = device.memory_bytes // world if shared else device.memory_bytes
     plan = Plan(
         device=device,
         world_size=world,
@@ -533,3 +547,78 @@ def report_lines(plan: Plan) -> list[str]:
         for s in plan.suggestions:
             lines.append(f"  {s.change}: {mib(s.peak_bytes)}{'' if s.fits else ' (still too large)'}")
     return lines
+
+
+# ----------------------------------------------------------------------------- the check before a launch
+
+PLAN_CHOICES = ("auto", "refuse", "warn", "off")
+
+
+def run_device(cfg: Config) -> Device:
+    """The Device a launch of `cfg` will train on, seen from this machine (trainer.device; a GPU
+    by its name, else by the memory torch reports), with trainer.plan_memory_bytes applied."""
+    choice = cfg.trainer.device
+    on_cuda = choice == "cuda" or (choice == "auto" and torch.cuda.is_available())
+    if not on_cuda:
+        device = cpu_device()
+    else:
+        name = torch.cuda.get_device_name(0)
+        total = torch.cuda.get_device_properties(0).total_memory
+        key = "h200" if "H200" in name else "h100" if "H100" in name else None
+        if "A100" in name:
+            key = "a100-80gb" if total > 60 * GIB else "a100-40gb"
+        device = GPUS[key] if key else Device(name, name, "cuda", total, None, None, None, None, "torch.cuda")
+        if device.peak_bf16_flops is None:
+            device = replace(device, peak_bf16_flops=device_peak_flops(torch.device("cuda", 0)) or 100e12)
+    if cfg.trainer.plan_memory_bytes:
+        device = replace(device, memory_bytes=cfg.trainer.plan_memory_bytes, per_rank=True)
+    return device
+
+
+def check_plan(cfg: Config, world: int, warn: Callable[[str], None]) -> Plan | None:
+    """trainer.plan before the engine exists: the plan, or None (off); ConfigError, with what would
+    fit, for a launch predicted not to fit under refuse (auto: on CUDA); a warning under warn."""
+    mode = cfg.trainer.plan
+    if mode == "off":
+        return None
+    device = run_device(cfg)
+    plan = plan_launch(cfg, world, device, cpu_rate=cpu_flops(seconds=0.05))
+    if plan.fits:
+        return plan
+    refuse = mode == "refuse" or (mode == "auto" and device.kind == "cuda")
+    fixes = "; ".join(f"{s.change} ({mib(s.peak_bytes)})" for s in plan.suggestions if s.fits)
+    message = (
+        f"predicted peak memory {mib(plan.peak_bytes)} per rank does not fit {mib(plan.device_bytes)} "
+        f"on {device.label} (lmsys-plan shows the components); "
+        + (f"what would fit: {fixes}" if fixes else "nothing tried fits; use more ranks or a larger device")
+    )
+    if refuse:
+        raise ConfigError(message + "; trainer.plan=warn launches anyway")
+    warn(message)
+    return plan
+
+
+# ----------------------------------------------------------------------------- the measured peak
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now (/proc/self/statm), 0 where it cannot be read."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def measured_peak_bytes(device: torch.device, baseline_rss: int) -> int:
+    """The run's measured peak: CUDA max_memory_allocated (what the plan predicts without its
+    allocator margin); CPU the process's peak RSS (getrusage ru_maxrss, KiB on Linux) minus its
+    RSS after the imports and the process group (taken before the model is built)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline_rss
+
+
+def memory_line(predicted: int, measured: int) -> str:
+    diff = (measured - predicted) / predicted if predicted else 0.0
+    return f"memory: predicted {mib(predicted)}, measured {mib(measured)} ({diff:+.0%})"
