@@ -21,6 +21,10 @@ KEY_HELP = [
     ("optim.name", "adamw | muon (optim=muon: Muon on the blocks' matrices, AdamW on the rest)"),
     ("optim.lr", "peak learning rate (linear warmup, then cosine or wsd decay)"),
     ("optim.schedule", "cosine | wsd (warmup-stable-decay: flat, then linear over optim.decay_frac)"),
+    (
+        "trainer.plan",
+        "memory plan before the engine: auto (refuse on CUDA, warn on CPU) | refuse | warn | off",
+    ),
     ("optim.warmup_steps", "steps of linear warmup"),
     ("optim.decay_steps", "where the decay ends (0: max_steps of the run's first launch)"),
     ("data.dir", "prepared data (lmsys-prepare writes it)"),

@@ -228,6 +228,10 @@ class TrainerConfig:
     # Bitwise-reproducible runs: torch's deterministic algorithms (an op without one is an error),
     # CUBLAS_WORKSPACE_CONFIG, fixed Triton tilings (docs/debugging.md: what it costs)
     deterministic: bool = False
+    # The memory plan before the engine is built (lmsys-plan's prediction): auto (refuse on CUDA,
+    # warn on CPU) | refuse (a launch predicted not to fit stops, with what would fit) | warn | off
+    plan: str = "auto"
+    plan_memory_bytes: int = 0  # memory per rank the plan compares with; 0: the device's own
     # Fault injection for tests (leave empty in real runs): make the loss NaN at these steps,
     # sleep this long after every step, make the last rank exit at this step on a first attempt,
     # make the last rank send itself SIGTERM during this step (a preemption that reaches one rank),
@@ -464,6 +468,8 @@ def validate(cfg: Config) -> Config:
     if ds.offload_optimizer:
         _require(ds.stage >= 1, "deepspeed.offload_optimizer=true needs deepspeed.stage >= 1 (got 0)")
     _one_of("trainer.device", t.device, ("auto", "cpu", "cuda"))
+    _one_of("trainer.plan", t.plan, ("auto", "refuse", "warn", "off"))
+    _require(t.plan_memory_bytes >= 0, f"trainer.plan_memory_bytes={t.plan_memory_bytes} must be >= 0")
     return cfg
 
 

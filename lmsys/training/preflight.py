@@ -8,22 +8,28 @@ forms. The checks, in order (each failure is one ConfigError or DataError line n
    of trainer.micro_batch_size on every rank (a run that would resume a checkpoint keeps its
    global batch, so the advice is the resume's: lmsys.core.runtime.resume_batch_plan);
 2. the prepared data in data.dir: it exists, its tokenizer has the model's vocabulary, and both
-   of its splits hold at least one sequence of data.seq_len.
+   of its splits hold at least one sequence of data.seq_len;
+3. the memory plan (trainer.plan, lmsys/training/planning.py): a launch predicted not to fit its
+   device is refused with what would fit (auto: on CUDA; a warning on CPU), before any process,
+   engine or model exists.
 
 The config itself is composed and validated by the caller (lmsys.core.config.compose).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from lmsys.core.config import Config, tokens_per_sample
+from lmsys.core.console import warn as warn_line
 from lmsys.core.errors import ConfigError, LmsysError
 from lmsys.core.runtime import BatchPlan, batch_plan, resume_batch_plan
 from lmsys.data.shards import PreparedData
 from lmsys.engine import checkpoint as ckpt
 from lmsys.engine.runlock import RunLock, holder_of
+from lmsys.training.planning import Plan, check_plan
 
 DATA_CHECKS = ("required", "if_present", "skip")
 
@@ -34,6 +40,7 @@ class Preflight:
 
     plan: BatchPlan | None  # None when the world size is not known yet
     data: PreparedData | None  # None when the data was not checked (data="skip" or not here)
+    memory: Plan | None = None  # None when the world size is not known or trainer.plan=off
 
 
 def open_data(cfg: Config) -> PreparedData:
@@ -74,13 +81,15 @@ def preflight(
     world_size: int | None,
     data: str = "required",
     opened: dict[str, PreparedData] | None = None,
+    warn: Callable[[str], None] | None = None,
 ) -> Preflight:
     """Check that a launch of `cfg` on `world_size` ranks can run (module docstring); world_size
     None (not known before the job starts) skips the batch check.
 
     data: "required" (the trainer and local launches), "if_present" (jobs that run on other
     machines, e.g. SLURM: a data.dir missing here is left for the job to find) or "skip".
-    opened: a cache of data directories already opened, for the jobs of a sweep."""
+    opened: a cache of data directories already opened, for the jobs of a sweep.
+    warn: where a plan that does not fit is reported under trainer.plan=warn (default: stderr)."""
     if data not in DATA_CHECKS:
         raise ValueError(f"data={data!r}: one of {DATA_CHECKS}")
     plan = check_batch(cfg, world_size) if world_size is not None else None
@@ -94,7 +103,10 @@ def preflight(
             prepared = open_data(cfg)
             if opened is not None:
                 opened[cfg.data.dir] = prepared
-    return Preflight(plan=plan, data=prepared)
+    memory = None
+    if world_size is not None:
+        memory = check_plan(cfg, world_size, warn or (lambda message: warn_line("lmsys", message)))
+    return Preflight(plan=plan, data=prepared, memory=memory)
 
 
 def check_run_dir_free(cfg: Config) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 from lmsys.core.console import Console, StepReport
 from lmsys.training.metrics import MetricsLogger
+from lmsys.training.planning import Plan, memory_line
 from lmsys.training.plots import plot_losses
 
 
@@ -85,6 +86,18 @@ class Reporter:
             self.logger.log("checkpoint", step, {"path": str(path), "seconds": seconds}, to_wandb=False)
         if announce:
             self.note(f"saved checkpoint {path} ({seconds:.1f} s)")
+
+    def memory_measured(self, step: int, plan: Plan | None, peaks: list[int]) -> None:
+        """After the first applied step (rank 0): the measured peak of every rank (lmsys.training.
+        planning.measured_peak_bytes) beside the prediction, as a line and a `memory` record."""
+        measured = max(peaks, default=0)
+        predicted = plan.allocated_bytes if plan is not None else None
+        if self.logger is not None:
+            values = {"measured_peak_bytes": measured, "measured_peak_bytes_per_rank": peaks}
+            values["predicted_peak_bytes"] = predicted
+            self.logger.log("memory", step, values, to_wandb=False)
+        if predicted is not None:
+            self.note(memory_line(predicted, measured))
 
     def summary(self, values: dict[str, Any]) -> None:
         if self.logger is not None:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from lmsys.core.config import Config, config_to_dict
-from lmsys.core.console import Console, StepReport
+from lmsys.core.console import Console, StepReport, warn
 from lmsys.core.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, Stopped, TrainingError
 from lmsys.core.runtime import DTYPES, Setup, batch_plan, env_dist_info, seed_everything
 from lmsys.data.loader import Batch, TokenLoader
@@ -49,6 +49,7 @@ from lmsys.model.transformer import Transformer, next_token_pairs
 from lmsys.training.faults import Faults
 from lmsys.training.health import Event, Health, StepData, scales_of
 from lmsys.training.metrics import MetricsLogger, device_name, device_peak_flops, memory_gb, mfu
+from lmsys.training.planning import Plan, measured_peak_bytes, rss_bytes
 from lmsys.training.preflight import preflight
 from lmsys.training.reporter import Reporter
 from lmsys.training.run_plan import (
@@ -81,8 +82,17 @@ class StepResult:
 class Trainer:
     """One training run on this rank: the engine, the loader, the train state, what is logged."""
 
-    def __init__(self, cfg: Config, setup: Setup, data: PreparedData, run: RunPlan, console: Console):
+    def __init__(
+        self,
+        cfg: Config,
+        setup: Setup,
+        data: PreparedData,
+        run: RunPlan,
+        console: Console,
+        memory: Plan | None = None,  # the preflight's prediction (trainer.plan)
+    ):
         t, plan = cfg.trainer, setup.plan
+        self.memory, self.baseline_rss = memory, rss_bytes()  # before the model: lmsys.training.planning
         cfg = replace(cfg, optim=replace(cfg.optim, decay_steps=schedule_horizon(cfg, run.resume)))
         self.cfg, self.setup, self.run_dir, self.console = cfg, setup, run.run_dir, console
         self.report = Reporter(console, cfg.logger.log_interval)
@@ -275,6 +285,8 @@ class Trainer:
         )
         if self.kernel_check.passed or self.kernel_check.failed:
             self.console.say(f"{prog}: {self.kernel_check.line()}")
+        if self.memory is not None:
+            self.report.note(self.memory.startup_line())
         if self.report.wandb_line():
             self.report.note(self.report.wandb_line())
 
@@ -396,10 +408,13 @@ class Trainer:
         """What each rank holds (after the first applied step: Adam's state exists from then on)."""
         self.stats_written = True
         gathered: list[dict[str, int] | None] = [None] * self.setup.world_size
-        dist.all_gather_object(gathered, eng.shard_stats(self.engine))
+        measured = measured_peak_bytes(self.setup.device, self.baseline_rss)
+        dist.all_gather_object(gathered, {**eng.shard_stats(self.engine), "measured_peak_bytes": measured})
         if self.setup.rank == 0:
             stats = {"engine": self.engine_info.as_dict(), "ranks": gathered}
             rundir.write_json(self.run_dir, rundir.ENGINE_STATS_FILE, stats)
+            peaks = [int(r["measured_peak_bytes"]) for r in gathered if r is not None]
+            self.report.memory_measured(self.state.step, self.memory, peaks)
 
     def val_coverage(self) -> str:
         """`all 240 val sequences` or `224 of 240 val sequences`."""
@@ -574,7 +589,8 @@ def train(cfg: Config, step_hook: Callable[[int], None] | None = None) -> Path:
     run: RunPlan | None = None
     try:
         # every mistake in the batch or the data is reported before the process group forms
-        data = preflight(cfg, env_dist_info().world_size).data
+        checked = preflight(cfg, env_dist_info().world_size, warn=lambda message: warn(PROG, message))
+        data = checked.data
         assert data is not None
         rank = int(os.environ.get("RANK", "0"))  # torchrun's; the process group forms below
         console = Console(PROG, rank, cfg.trainer.progress, cfg.logger.console_interval)
@@ -586,7 +602,7 @@ def train(cfg: Config, step_hook: Callable[[int], None] | None = None) -> Path:
         rank, world = dist.get_rank(), dist.get_world_size()
         run = agree_on_run(cfg, rank, world, data.tokenizer_sha256, console)  # a resume's batch check first
         setup = Setup(device, precision, rank, world, batch_plan(cfg, world))
-        trainer = Trainer(cfg, setup, data, run, console)
+        trainer = Trainer(cfg, setup, data, run, console, checked.memory)
         trainer.stop = stop
         trainer.open_run_dir()
         trainer.fit(step_hook)

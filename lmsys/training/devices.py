@@ -1,0 +1,114 @@
+"""The devices a launch can be planned for (lmsys-plan device=NAME): memory, peak FLOP/s and
+bandwidths, each with its source, and this machine's CPU (its memory, its measured FLOP rate).
+
+The GPU figures are the vendors' datasheet numbers (dense, i.e. without structured sparsity);
+memory is the datasheet capacity, read as GiB (what nvidia-smi lists as the card's total is a
+little less; the plan keeps a margin for the CUDA context and the allocator). Nothing here was
+measured on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lmsys.core.errors import ConfigError
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device a rank runs on."""
+
+    name: str  # the key of `device=NAME`
+    label: str  # what it is, for the report
+    kind: str  # "cuda" | "cpu": decides the precision (deepspeed.precision=auto) and the kernels
+    memory_bytes: int  # per device (cpu: the whole machine's, shared by its ranks)
+    peak_bf16_flops: float | None  # dense tensor-core peak per device (None: measured, see cpu_flops)
+    peak_fp32_flops: float | None  # plain fp32 (not TF32) peak per device
+    hbm_bytes_per_s: float | None
+    interconnect_bytes_per_s: float | None  # per GPU, NVLink total (both directions)
+    source: str
+    per_rank: bool = False  # memory_bytes is each rank's own (trainer.plan_memory_bytes), not shared
+
+    def as_dict(self) -> dict[str, object]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+GPUS: dict[str, Device] = {
+    d.name: d
+    for d in (
+        Device(
+            "a100-40gb", "NVIDIA A100 SXM 40GB", "cuda", 40 * GIB, 312e12, 19.5e12, 1555e9, 600e9,
+            "NVIDIA A100 Tensor Core GPU datasheet: BF16 312 TFLOPS (dense), FP32 19.5 TFLOPS, "
+            "HBM2 1,555 GB/s, NVLink 600 GB/s",
+        ),
+        Device(
+            "a100-80gb", "NVIDIA A100 SXM 80GB", "cuda", 80 * GIB, 312e12, 19.5e12, 2039e9, 600e9,
+            "NVIDIA A100 Tensor Core GPU datasheet: BF16 312 TFLOPS (dense), FP32 19.5 TFLOPS, "
+            "HBM2e 2,039 GB/s, NVLink 600 GB/s",
+        ),
+        Device(
+            "h100", "NVIDIA H100 SXM 80GB", "cuda", 80 * GIB, 989e12, 67e12, 3.35e12, 900e9,
+            "NVIDIA H100 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity = 989 dense, "
+            "FP32 67 TFLOPS, HBM3 3.35 TB/s, NVLink 900 GB/s",
+        ),
+        Device(
+            "h200", "NVIDIA H200 SXM 141GB", "cuda", 141 * GIB, 989e12, 67e12, 4.8e12, 900e9,
+            "NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity = 989 dense, "
+            "FP32 67 TFLOPS, HBM3e 4.8 TB/s, NVLink 900 GB/s",
+        ),
+    )
+}  # fmt: skip
+DEVICE_NAMES = ("cpu", *GPUS)
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory (os.sysconf; /proc/meminfo's MemTotal where sysconf lacks it)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    raise ConfigError("cannot read this machine's memory size (os.sysconf, /proc/meminfo)")
+
+
+def cpu_device() -> Device:
+    return Device(
+        "cpu", f"this machine's CPU ({os.cpu_count()} cores)", "cpu", host_memory_bytes(),
+        None, None, None, None, "os.sysconf(SC_PHYS_PAGES) x SC_PAGE_SIZE; FLOP rate measured (cpu_flops)",
+    )  # fmt: skip
+
+
+def device_spec(name: str) -> Device:
+    """The Device of `device=NAME`; ConfigError naming the valid ones."""
+    if name == "cpu":
+        return cpu_device()
+    if name in GPUS:
+        return GPUS[name]
+    raise ConfigError(f"device={name!r} is not known; choose one of: {', '.join(DEVICE_NAMES)}")
+
+
+def cpu_flops(threads: int = 1, seconds: float = 0.3) -> float:
+    """fp32 matmul FLOP/s of this CPU with `threads` threads (torchrun gives each CPU worker one):
+    the best of repeated 256x512 @ 512x512 products, about the shapes of the small models' GEMMs."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        a, b = torch.randn(256, 512), torch.randn(512, 512)
+        best = float("inf")
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            start = time.perf_counter()
+            for _ in range(4):
+                torch.mm(a, b)
+            best = min(best, (time.perf_counter() - start) / 4)
+        return 2 * 256 * 512 * 512 / best
+    finally:
+        torch.set_num_threads(previous)

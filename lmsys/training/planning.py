@@ -1,0 +1,624 @@
+"""The plan of a launch before it starts: memory and time per rank for any Config, world size
+and device (lmsys-plan, the trainer's startup line, preflight's refusal).
+
+Memory is counted as lmsys and DeepSpeed really allocate it, per rank (every rank holds the same
+here; with ZeRO the largest partition is counted), in bytes:
+
+- parameters: the model in the run's precision (fp32 on CPU, bf16 on CUDA by default); ZeRO-3
+  keeps 1/world of it plus, whole, every parameter under deepspeed.param_persistence_threshold.
+- gradients: ZeRO-0 the whole gradient (bf16 adds DeepSpeed's fp32 copy); ZeRO-1 the whole
+  gradient plus the fp32 partition; ZeRO-2 the fp32 partition; ZeRO-3 the fp32 partition and the
+  optimizer's fp32 gradient buffer (stage3.py allocates both).
+- optimizer_states: Adam's two moments and the fp32 master weights (separate from the model at
+  every stage but fp32 ZeRO-0), / world from ZeRO-1; offload_optimizer moves them to host memory
+  (`host` in the plan), which on a CPU device is the same memory.
+- activations: what autograd saves per block (counted from the model's code, see
+  `block_saved_elements`), or only each block's input with activation checkpointing plus one
+  block recomputed; the backward's transient gradients of one block.
+- loss_head: model.loss_impl: full keeps the (tokens, V) logits, their log-softmax and its
+  gradient; chunked (and fused) keep a (chunk, V) buffer and the gradients of h and W.
+- zero_buffers: DeepSpeed's reduce bucket (allocated whole with contiguous_gradients, on CUDA),
+  ZeRO-3's gathered parameters (the prefetch bucket and the largest block) and, on CPU, the
+  gradient copies its reductions make.
+- workspace: the optimizer step's temporaries and the input batch.
+- runtime: memory the process takes on top that is not a tensor of the model (DeepSpeed's
+  modules imported at initialize, gloo's buffers, the loader): measured on CPU by
+  `python -m lmsys.bench plan`; on CUDA 0 (the CUDA context lives outside the allocator).
+- allocator_margin: CUDA: the caching allocator's fragmentation and the CUDA context (10% + 1
+  GiB); CPU: 5% (glibc's arenas).
+
+Time: FLOPs per step and rank (6N + 6 L H (d_qk + d_vo) T per token, PaLM appendix B, plus the
+recomputed forward with activation checkpointing) over the device's peak times an MFU assumption
+(MFU_ASSUMED, stated in every report), or on CPU over a measured matmul rate times
+CPU_EFFICIENCY (both calibrated by the bench); ZeRO's communication is assumed overlapped and
+only counts when it takes longer than the compute.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from lmsys.core.config import Config, model_dims
+from lmsys.core.errors import ConfigError
+from lmsys.core.runtime import BatchPlan, batch_plan
+from lmsys.model.transformer import Transformer
+from lmsys.training.devices import GIB, GPUS, Device, cpu_device, cpu_flops
+from lmsys.training.metrics import device_peak_flops
+
+MIB = 1 << 20
+# The MFU a GPU run of a GPT-2-sized dense model reaches with flash attention and fused kernels:
+# an assumption, not a measurement (no GPU here). llm.c's GPT-2 1558M on 8 H100s (about 32B tokens
+# in about 24 h, its discussion #677) is about 43% of the H100's dense bf16 peak by the same
+# formula; 40% leaves room for lmsys's Python loop and DeepSpeed.
+MFU_ASSUMED = 0.40
+# Training on CPU runs at this fraction of the matmul rate `cpu_flops` measures (elementwise ops,
+# the optimizer, DeepSpeed's Python): calibrated by `python -m lmsys.bench plan`.
+CPU_EFFICIENCY = 0.55
+CPU_STEP_OVERHEAD_S = 0.01  # per optimizer step: DeepSpeed's bookkeeping, the loader, the logger
+# Per GPU between nodes (a 400 Gb/s NIC per GPU, as in DGX H100 / A100 nodes): an assumption.
+INTER_NODE_BYTES_PER_S = 50e9
+GPUS_PER_NODE = 8
+# Process memory beyond the model's tensors on CPU, by ZeRO stage (bytes), fitted by the bench:
+# DeepSpeed's optimizer modules imported at initialize, gloo's buffers, the data loader.
+CPU_RUNTIME_BYTES = {0: 40 * MIB, 1: 60 * MIB, 2: 60 * MIB, 3: 90 * MIB}
+COMPONENTS = (
+    "parameters",
+    "gradients",
+    "optimizer_states",
+    "activations",
+    "loss_head",
+    "zero_buffers",
+    "workspace",
+    "runtime",
+    "allocator_margin",
+)
+
+
+# ----------------------------------------------------------------------------- the model's shapes
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """What the plan needs of the model, from a Transformer built on the meta device (no memory)."""
+
+    n_params: int  # distinct parameters (a tied matrix once): the model's num_parameters()
+    param_numels: tuple[int, ...]  # each distinct parameter's elements
+    block_params: int  # parameters of one block
+    flops_per_token: int  # 6N + 6 L H (d_qk + d_vo) T at the run's T
+    recompute_flops_per_token: int  # the blocks' forward again, with activation checkpointing
+
+
+def model_shapes(cfg: Config) -> ModelShapes:
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    numels = tuple(p.numel() for p in model.parameters())
+    block = sum(p.numel() for p in model.blocks[0].parameters()) if len(model.blocks) else 0
+    m, dims = cfg.model, model_dims(cfg.model)
+    attention_fwd = 2 * m.n_layers * m.n_heads * (dims.d_qk + dims.d_vo) * cfg.data.seq_len
+    return ModelShapes(
+        n_params=model.num_parameters(),
+        param_numels=numels,
+        block_params=block,
+        flops_per_token=model.flops_per_token(cfg.data.seq_len),
+        recompute_flops_per_token=2 * block * m.n_layers + attention_fwd,
+    )
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+def _norm_saved(formula: str, affine: bool, d: int) -> tuple[int, int]:
+    """(elements per token a norm saves of its own, whether it also keeps its input (0/1)).
+    torch's F.layer_norm (sqrt_var_eps) keeps its input and two statistics; the written-out
+    formulas (std_plus_eps, exact) keep x - mean, sigma and, with the affine, the normalised x."""
+    if formula == "none":
+        return 0, 0
+    if formula == "sqrt_var_eps":
+        return 2, 1
+    return d + 1 + (d if affine else 0), 0
+
+
+def block_saved_elements(cfg: Config) -> int:
+    """Elements per token one block leaves for its backward (torch ops; the Triton kernels save
+    the same tensors: the normalised input's statistics, q/k/v, the attention output and its
+    log-sum-exp), counted from lmsys/model/transformer.py's Block.forward."""
+    m, dims = cfg.model, model_dims(cfg.model)
+    d, f, h = m.d_model, dims.d_ff, m.n_heads
+    norm_own, norm_in = _norm_saved(m.norm.formula, m.norm.affine, d)
+    qkv = h * (2 * dims.d_qk + dims.d_vo)  # q, k, v (after their biases) saved by attention
+    attention = qkv + 2 * h * dims.d_vo + h  # + its output, the heads' concatenation, log-sum-exp
+    if m.attention.softmax == "matrix":
+        attention += 2 * h * cfg.data.seq_len  # the whole score matrix and its softmax per query
+    ffn_layer = f if m.ffn.activation == "relu" else 2 * f  # relu backward needs only its output
+    if m.ffn.bias_after_activation and m.ffn.bias:
+        ffn_layer += f
+    ffn = d + ffn_layer * m.ffn.n_hidden_layers  # its input, each hidden layer
+    norm = norm_own + norm_in * d
+    if m.block == "pre":  # x (norm1's input), N1(x), attention, x + attn (N2's input), N2(y), ffn
+        return 2 * norm + d + attention + ffn
+    if m.block == "post":  # x, attention, x + attn, N1(.), ffn, y + ffn (N2's input)
+        return d + attention + 2 * norm + ffn
+    if m.block == "none":  # x, attention, y, ffn
+        return d + attention + ffn
+    return norm + d + attention + ffn  # parallel: one norm feeds both branches
+
+
+def activation_bytes(cfg: Config, tokens: int, act_bytes: int) -> int:
+    """Saved activations of one micro-batch of `tokens` positions at the backward's start, plus
+    the transient gradients of one block (and, with checkpointing, the one block recomputed)."""
+    m = cfg.model
+    block = block_saved_elements(cfg) * tokens * act_bytes
+    transient = block + 2 * tokens * m.d_model * act_bytes  # one block's gradients in flight
+    final = 0
+    if m.final_norm:
+        own, keeps_input = _norm_saved(m.norm.formula, m.norm.affine, m.d_model)
+        final = (own + keeps_input * m.d_model) * tokens * act_bytes
+    if cfg.deepspeed.activation_checkpointing:
+        return m.n_layers * m.d_model * tokens * act_bytes + block + transient + final
+    return m.n_layers * block + transient + final
+
+
+def loss_impl_of(cfg: Config, device: Device) -> str:
+    """model.loss_impl as it runs on `device` (lmsys.model.ops.loss_implementation's rule)."""
+    impl = cfg.model.loss_impl
+    if impl != "auto":
+        return impl
+    uses_triton = cfg.model.kernels == "triton" or (cfg.model.kernels == "auto" and device.kind == "cuda")
+    return "fused" if uses_triton else "chunked"
+
+
+def loss_head_bytes(cfg: Config, tokens: int, impl: str, act_bytes: int) -> int:
+    """The loss's own peak for one micro-batch of `tokens` positions (fp32 arithmetic)."""
+    v, d = cfg.model.vocab_size, cfg.model.d_model
+    if impl == "full":  # logits in the model's dtype, their fp32 log-softmax, its gradient
+        upcast = 4 * tokens * v if act_bytes < 4 else 0
+        return tokens * v * act_bytes + 2 * tokens * v * 4 + upcast + tokens * d * act_bytes
+    from kernels.reference import lce_default_chunk  # the chunk rule of the chunked path
+
+    chunk = lce_default_chunk(tokens, v) if impl == "chunked" else 0
+    # gradients of h and W formed in the forward (fp32), scaled copies in the backward
+    backward = 2 * 4 * (tokens * d + v * d)
+    forward = 4 * (chunk * v + tokens * d + v * d)
+    return max(forward, backward)
+
+
+# ----------------------------------------------------------------------------- model states
+
+
+@dataclass(frozen=True)
+class States:
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    zero_buffers: int
+    host: dict[str, int]  # what offload puts in host memory
+
+
+def model_state_bytes(cfg: Config, shapes: ModelShapes, world: int, device: Device, p: int) -> States:
+    """Parameters, gradients, optimizer states and ZeRO's buffers per rank (module docstring)."""
+    ds = cfg.deepspeed
+    n, stage = shapes.n_params, ds.stage
+    part = math.ceil(n / world)  # this rank's partition (DeepSpeed pads to equal partitions)
+    cuda = device.kind == "cuda"
+    adam_master = 12 * part if stage else (8 * n + (4 * n if p < 4 else 0))
+    if stage == 0:
+        params, grads = n * p, n * p + (4 * n if p < 4 else 0)
+    elif stage in (1, 2):
+        params = n * p
+        grads = (n * p if stage == 1 else 0) + 4 * part
+    else:
+        small = sum(k for k in shapes.param_numels if k < ds.param_persistence_threshold)
+        params = part * p + small * p
+        grads = 8 * part
+    buffers = 0
+    if world > 1 or stage == 3:
+        bucket = ds.reduce_bucket_size if cuda and ds.contiguous_gradients else min(ds.reduce_bucket_size, n)
+        if stage == 0:  # DeepSpeed flattens the gradients it all-reduces
+            buffers += min(n, 500_000_000) * p if world > 1 else 0
+        elif stage >= 2 or world > 1:
+            buffers += bucket * p
+    if stage == 3:  # gathered parameters: the prefetch bucket and the block being computed
+        buffers += min(ds.allgather_bucket_size, n) * p + shapes.block_params * p
+    host: dict[str, int] = {}
+    if ds.offload_optimizer and stage >= 1:
+        host["optimizer_states"] = adam_master
+        if stage == 3:  # its fp32 gradient buffer goes along
+            host["gradients"] = 4 * part
+        if cuda:
+            adam_master, grads = 0, grads - host.get("gradients", 0)
+    if ds.offload_param and stage == 3:
+        host["parameters"] = part * p
+        if cuda:
+            params -= part * p
+    return States(params, grads, adam_master, buffers, host)
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class Suggestion:
+    change: str  # the overrides that make it fit
+    peak_bytes: int
+    fits: bool
+
+
+@dataclass
+class Plan:
+    device: Device
+    world_size: int
+    batch: BatchPlan
+    precision: str
+    loss_impl: str
+    n_params: int
+    components: dict[str, int]
+    host: dict[str, int]
+    peak_bytes: int
+    device_bytes: int  # available to this rank (cpu: the machine's memory / ranks)
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float | None
+    mfu_source: str
+    flops_per_step: float  # per rank
+    max_steps: int
+    suggestions: list[Suggestion] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.device_bytes
+
+    @property
+    def allocated_bytes(self) -> int:
+        """The peak without the allocator margin: what max_memory_allocated (or RSS) measures."""
+        return self.peak_bytes - self.components["allocator_margin"]
+
+    def startup_line(self) -> str:
+        """lmsys-train's startup line: the prediction it checks against the measured peak."""
+        verdict = "fits" if self.fits else "does NOT fit"
+        return (
+            f"memory: predicted {mib(self.allocated_bytes)} per rank ({mib(self.peak_bytes)} with the "
+            f"allocator margin; {verdict} {mib(self.device_bytes)}), about {self.step_time_s:.3g} s per step "
+            f"(lmsys-plan lists the components)"
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "peak_bytes": self.peak_bytes,
+            "components": dict(self.components),
+            "device_bytes": self.device_bytes,
+            "fits": self.fits,
+            "headroom_bytes": self.device_bytes - self.peak_bytes,
+            "host_bytes": dict(self.host),
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "mfu_source": self.mfu_source,
+            "time_for_max_steps_s": self.step_time_s * self.max_steps,
+            "device": self.device.name,
+            "world_size": self.world_size,
+            "precision": self.precision,
+            "loss_impl": self.loss_impl,
+            "n_params": self.n_params,
+            "micro_batch_size": self.batch.micro_batch_size,
+            "grad_accum": self.batch.grad_accum,
+            "suggestions": [
+                {"change": s.change, "peak_bytes": s.peak_bytes, "fits": s.fits} for s in self.suggestions
+            ],
+        }
+
+
+def precision_of(cfg: Config, device: Device) -> str:
+    choice = cfg.deepspeed.precision
+    if choice == "auto":
+        return "bf16" if device.kind == "cuda" else "fp32"
+    return choice
+
+
+def memory_components(
+    cfg: Config, world: int, device: Device, batch: BatchPlan
+) -> tuple[dict[str, int], dict[str, int]]:
+    """(components on the device, what offload puts in host memory), bytes per rank."""
+    shapes = model_shapes(cfg)
+    p = 4 if precision_of(cfg, device) == "fp32" else 2
+    tokens = batch.micro_batch_size * batch.seq_len
+    states = model_state_bytes(cfg, shapes, world, device, p)
+    largest = max(shapes.param_numels, default=0)
+    components = {
+        "parameters": states.parameters,
+        "gradients": states.gradients,
+        "optimizer_states": states.optimizer_states,
+        "activations": activation_bytes(cfg, tokens, p),
+        "loss_head": loss_head_bytes(cfg, tokens, loss_impl_of(cfg, device), p),
+        "zero_buffers": states.zero_buffers,
+        # AdamW's per-parameter temporaries (the largest parameter, fp32, twice) and the batch
+        "workspace": 2 * 4 * largest + 2 * 8 * batch.micro_batch_size * batch.tokens_per_sample,
+        "runtime": CPU_RUNTIME_BYTES[cfg.deepspeed.stage] if device.kind == "cpu" else 0,
+    }
+    allocated = sum(components.values())
+    margin = int(0.10 * allocated) + GIB if device.kind == "cuda" else int(0.05 * allocated)
+    components["allocator_margin"] = margin
+    return components, states.host
+
+
+def step_time(
+    cfg: Config, world: int, device: Device, batch: BatchPlan, cpu_rate: float | None
+) -> tuple[float, float, float | None, str]:
+    """(seconds per optimizer step, FLOPs per step per rank, MFU, where the rate comes from)."""
+    shapes = model_shapes(cfg)
+    tokens = batch.micro_batch_size * batch.seq_len * batch.grad_accum  # per rank per step
+    per_token = shapes.flops_per_token
+    if cfg.deepspeed.activation_checkpointing:
+        per_token += shapes.recompute_flops_per_token
+    flops = float(per_token * tokens)
+    if device.kind == "cpu":
+        rate = (cpu_rate or cpu_flops()) * CPU_EFFICIENCY
+        source = f"CPU: measured matmul rate x {CPU_EFFICIENCY} (calibrated by python -m lmsys.bench plan)"
+        return flops / rate + CPU_STEP_OVERHEAD_S * batch.grad_accum, flops, None, source
+    peak = device.peak_bf16_flops if precision_of(cfg, device) != "fp32" else device.peak_fp32_flops
+    assert peak is not None
+    compute = flops / (peak * MFU_ASSUMED)
+    p = 4 if precision_of(cfg, device) == "fp32" else 2
+    comm_bytes = 0.0
+    if world > 1:  # ring reduce(-scatter) of the gradients; ZeRO-3 all-gathers parameters twice
+        comm_bytes = 2 * (world - 1) / world * shapes.n_params * p
+        if cfg.deepspeed.stage == 3:
+            comm_bytes += 2 * (world - 1) / world * shapes.n_params * p
+    link = device.interconnect_bytes_per_s or INTER_NODE_BYTES_PER_S
+    if world > GPUS_PER_NODE:
+        link = INTER_NODE_BYTES_PER_S
+    seconds = max(compute, comm_bytes / link)
+    mfu = flops / seconds / peak
+    source = (
+        f"MFU assumed {MFU_ASSUMED:.0%} of {device.label}'s dense peak "
+        "(lmsys.training.planning.MFU_ASSUMED), communication overlapped"
+    )
+    return seconds, flops, mfu, source
+
+
+def plan_launch(
+    cfg: Config, world: int, device: Device, cpu_rate: float | None = None, suggest: bool = True
+) -> Plan:
+    """The plan of `cfg` on `world` ranks of `device` (ConfigError when the batch does not split)."""
+    if world < 1:
+        raise ConfigError(f"world={world} must be >= 1")
+    batch = batch_plan(cfg, world)
+    components, host = memory_components(cfg, world, device, batch)
+    seconds, flops, mfu, source = step_time(cfg, world, device, batch, cpu_rate)
+    shared = device.kind == "cpu" and not device.per_rank  # the machine's memory, shared by its ranks
+    available = device.memory_bytes // world if shared else device.memory_bytes
+    plan = Plan(
+        device=device,
+        world_size=world,
+        batch=batch,
+        precision=precision_of(cfg, device),
+        loss_impl=loss_impl_of(cfg, device),
+        n_params=model_shapes(cfg).n_params,
+        components=components,
+        host=host,
+        peak_bytes=sum(components.values()),
+        device_bytes=available,
+        step_time_s=seconds,
+        tokens_per_s=batch.tokens_per_step / seconds,
+        mfu=mfu,
+        mfu_source=source,
+        flops_per_step=flops,
+        max_steps=cfg.trainer.max_steps,
+    )
+    if suggest and not plan.fits:
+        plan.suggestions = suggestions(cfg, world, device, cpu_rate)
+    return plan
+
+
+# ----------------------------------------------------------------------------- what would fit
+
+
+def _with(cfg: Config, **groups: dict[str, Any]) -> Config:
+    return replace(cfg, **{name: replace(getattr(cfg, name), **values) for name, values in groups.items()})
+
+
+def _candidates(cfg: Config, world: int) -> list[tuple[str, Config]]:
+    """Changes that lower the peak, each alone, then combined (the order the report lists them)."""
+    t, ds, m = cfg.trainer, cfg.deepspeed, cfg.model
+    found: list[tuple[str, Config]] = []
+    sequences = t.global_batch_tokens // cfg.data.seq_len
+    micro = t.micro_batch_size
+    while micro > 1:
+        micro //= 2
+        if sequences % (micro * world) == 0:
+            accum = sequences // (micro * world)
+            found.append(
+                (
+                    f"trainer.micro_batch_size={micro} (accumulation {accum})",
+                    _with(cfg, trainer={"micro_batch_size": micro}),
+                )
+            )
+    if not ds.activation_checkpointing:
+        found.append(
+            (
+                "deepspeed.activation_checkpointing=true",
+                _with(cfg, deepspeed={"activation_checkpointing": True}),
+            )
+        )
+    if m.loss_impl == "full":
+        found.append(("model.loss_impl=chunked", _with(cfg, model={"loss_impl": "chunked"})))
+    for stage in range(ds.stage + 1, 4):
+        found.append((f"deepspeed.stage={stage}", _with(cfg, deepspeed={"stage": stage})))
+    if not ds.offload_optimizer:
+        stage = max(ds.stage, 1)
+        found.append(
+            (
+                f"deepspeed.stage={stage} deepspeed.offload_optimizer=true",
+                _with(cfg, deepspeed={"stage": stage, "offload_optimizer": True}),
+            )
+        )
+    if not ds.offload_param:
+        found.append(
+            (
+                "deepspeed=zero3_offload (optimizer and parameters in host memory)",
+                _with(cfg, deepspeed={"stage": 3, "offload_optimizer": True, "offload_param": True}),
+            )
+        )
+    return found
+
+
+def suggestions(cfg: Config, world: int, device: Device, cpu_rate: float | None) -> list[Suggestion]:
+    """Each change with its predicted peak, those that fit first; if none fits alone, the
+    combination of all of them (smallest micro-batch, checkpointing, ZeRO-3 with offload)."""
+    out = []
+    candidates = _candidates(cfg, world)
+    for change, changed in candidates:
+        peak = plan_launch(changed, world, device, cpu_rate, suggest=False)
+        out.append(Suggestion(change, peak.peak_bytes, peak.fits))
+    if candidates and not any(s.fits for s in out):
+        combined = _with(
+            cfg,
+            trainer={
+                "micro_batch_size": 1
+                if (cfg.trainer.global_batch_tokens // cfg.data.seq_len) % world == 0
+                else cfg.trainer.micro_batch_size
+            },
+            deepspeed={
+                "activation_checkpointing": True,
+                "stage": 3,
+                "offload_optimizer": True,
+                "offload_param": True,
+            },
+            model={"loss_impl": "chunked" if cfg.model.loss_impl == "full" else cfg.model.loss_impl},
+        )
+        peak = plan_launch(combined, world, device, cpu_rate, suggest=False)
+        out.append(Suggestion("all of the above together", peak.peak_bytes, peak.fits))
+    return sorted(out, key=lambda s: (not s.fits, s.peak_bytes))
+
+
+# ----------------------------------------------------------------------------- words
+
+
+def mib(n: float) -> str:
+    return f"{n / MIB:,.1f} MiB" if abs(n) < 10 * GIB else f"{n / GIB:,.2f} GiB"
+
+
+def duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def report_lines(plan: Plan) -> list[str]:
+    """The plan in words: components, the verdict, time, suggestions."""
+    b = plan.batch
+    lines = [
+        f"{plan.n_params:,} parameters, {plan.precision}, loss_impl {plan.loss_impl}, "
+        f"world {plan.world_size} on {plan.device.label}; {b.arithmetic()}",
+        "memory per rank:",
+    ]
+    width = max(len(k) for k in plan.components)
+    for name, value in plan.components.items():
+        lines.append(f"  {name:<{width}}  {mib(value):>12}")
+    lines.append(f"  {'peak':<{width}}  {mib(plan.peak_bytes):>12}")
+    for name, value in plan.host.items():
+        lines.append(f"  host memory ({name}, offloaded): {mib(value)} per rank")
+    verdict = "fits" if plan.fits else "does NOT fit"
+    lines.append(
+        f"{verdict}: {mib(plan.peak_bytes)} of {mib(plan.device_bytes)} per rank "
+        f"(headroom {mib(plan.device_bytes - plan.peak_bytes)})"
+    )
+    mfu = f", MFU {plan.mfu:.0%}" if plan.mfu is not None else ""
+    lines.append(
+        f"time: {plan.step_time_s:.3g} s per step, {plan.tokens_per_s:,.0f} tokens/s{mfu}; "
+        f"trainer.max_steps={plan.max_steps}: {duration(plan.step_time_s * plan.max_steps)} "
+        f"({plan.mfu_source})"
+    )
+    if plan.suggestions:
+        lines.append("what would fit (predicted peak per rank):")
+        for s in plan.suggestions:
+            lines.append(f"  {s.change}: {mib(s.peak_bytes)}{'' if s.fits else ' (still too large)'}")
+    return lines
+
+
+# ----------------------------------------------------------------------------- the check before a launch
+
+PLAN_CHOICES = ("auto", "refuse", "warn", "off")
+
+
+def run_device(cfg: Config) -> Device:
+    """The Device a launch of `cfg` will train on, seen from this machine (trainer.device; a GPU
+    by its name, else by the memory torch reports), with trainer.plan_memory_bytes applied."""
+    choice = cfg.trainer.device
+    on_cuda = choice == "cuda" or (choice == "auto" and torch.cuda.is_available())
+    if not on_cuda:
+        device = cpu_device()
+    else:
+        name = torch.cuda.get_device_name(0)
+        total = torch.cuda.get_device_properties(0).total_memory
+        key = "h200" if "H200" in name else "h100" if "H100" in name else None
+        if "A100" in name:
+            key = "a100-80gb" if total > 60 * GIB else "a100-40gb"
+        device = GPUS[key] if key else Device(name, name, "cuda", total, None, None, None, None, "torch.cuda")
+        if device.peak_bf16_flops is None:
+            device = replace(device, peak_bf16_flops=device_peak_flops(torch.device("cuda", 0)) or 100e12)
+    if cfg.trainer.plan_memory_bytes:
+        device = replace(device, memory_bytes=cfg.trainer.plan_memory_bytes, per_rank=True)
+    return device
+
+
+def check_plan(cfg: Config, world: int, warn: Callable[[str], None]) -> Plan | None:
+    """trainer.plan before the engine exists: the plan, or None (off); ConfigError, with what would
+    fit, for a launch predicted not to fit under refuse (auto: on CUDA); a warning under warn."""
+    mode = cfg.trainer.plan
+    if mode == "off":
+        return None
+    device = run_device(cfg)
+    plan = plan_launch(cfg, world, device, cpu_rate=cpu_flops(seconds=0.05))
+    if plan.fits:
+        return plan
+    refuse = mode == "refuse" or (mode == "auto" and device.kind == "cuda")
+    fixes = "; ".join(f"{s.change} ({mib(s.peak_bytes)})" for s in plan.suggestions if s.fits)
+    message = (
+        f"predicted peak memory {mib(plan.peak_bytes)} per rank does not fit {mib(plan.device_bytes)} "
+        f"on {device.label} (lmsys-plan shows the components); "
+        + (f"what would fit: {fixes}" if fixes else "nothing tried fits; use more ranks or a larger device")
+    )
+    if refuse:
+        raise ConfigError(message + "; trainer.plan=warn launches anyway")
+    warn(message)
+    return plan
+
+
+# ----------------------------------------------------------------------------- the measured peak
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now (/proc/self/statm), 0 where it cannot be read."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def measured_peak_bytes(device: torch.device, baseline_rss: int) -> int:
+    """The run's measured peak: CUDA max_memory_allocated (what the plan predicts without its
+    allocator margin); CPU the process's peak RSS (getrusage ru_maxrss, KiB on Linux) minus its
+    RSS after the imports and the process group (taken before the model is built)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline_rss
+
+
+def memory_line(predicted: int, measured: int) -> str:
+    diff = (measured - predicted) / predicted if predicted else 0.0
+    return f"memory: predicted {mib(predicted)}, measured {mib(measured)} ({diff:+.0%})"
