@@ -172,11 +172,12 @@ def _barrier() -> None:
 def nonfinite_weight(engine: Any) -> str | None:
     """The first weight of this rank's share of the engine (its partition at ZeRO-3) that holds a
     NaN or inf, by its name in the model; None when all are finite."""
-    for name, p in engine.module.named_parameters():
-        local = getattr(p, "ds_tensor", p)
-        if local.is_floating_point() and local.numel() and not bool(torch.isfinite(local).all()):
-            return name.removeprefix("model.")
-    return None
+    named = [(n, getattr(p, "ds_tensor", p)) for n, p in engine.module.named_parameters()]
+    named = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
+    if not named:
+        return None
+    finite = torch.stack([torch.isfinite(t).all() for _, t in named]).tolist()  # one device sync
+    return next((n.removeprefix("model.") for (n, _), ok in zip(named, finite) if not ok), None)
 
 
 def refuse_nonfinite(engine: Any, step: int, root: Path) -> None:
