@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import tomllib
 
 from tests.stdlib_text import write_docstring_files
@@ -319,6 +320,7 @@ def test_extraction_finds_the_readme_journeys_and_help_examples():
     assert ["launch.sweep"] in command_modules() and ["lmsys.sweep"] in command_modules()
 
 
+@pytest.mark.slow
 def test_every_readme_and_help_command_runs(tmp_path):
     started = time.perf_counter()
     readme = README.read_text(encoding="utf-8")
