@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import sys
 
-from lmsys.cli import run_cli
-from lmsys.core.config import compose
+from lmsys.cli import flag_as_override, run_cli
+from lmsys.core.config import compose, config_to_dict, flatten_dict
 from lmsys.data.preparation import PROG, prepare
 
 
@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         if any(a in ("-h", "--help") for a in argv):
             print(__doc__)
             return 0
+        if any(a.startswith("-") for a in argv):  # `--vocab_size 512`: name the key=value it means
+            flag_as_override(PROG, argv, list(flatten_dict(config_to_dict(compose([])))), set())
         prepare(compose(argv))
         return 0
 

@@ -160,3 +160,12 @@ def test_a_split_left_empty_is_warned_about(tmp_path, out_root):
     assert proc.returncode == 0, proc.stderr
     warnings = [ln for ln in proc.stderr.splitlines() if "warning" in ln]
     assert len(warnings) == 1 and "the val split is empty (1 document(s) in all" in warnings[0]
+
+
+def test_an_argparse_flag_names_the_override(tmp_path):
+    """`--vocab_size 512` (an argparse habit): one line with the key=value it means, nothing written."""
+    line = assert_one_line_error(
+        run_prepare("--vocab_size", "512", cwd=tmp_path), "unknown option --vocab_size"
+    )
+    assert "did you mean model.vocab_size=512" in line, line
+    assert_nothing_left(tmp_path)
