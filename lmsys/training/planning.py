@@ -607,11 +607,19 @@ def check_plan(cfg: Config, world: int, warn: Callable[[str], None]) -> Plan | N
         f"predicted peak memory {mib(plan.peak_bytes)} per rank does not fit {mib(plan.device_bytes)} "
         f"on {device.label} (lmsys-plan shows the components); "
         + (f"what would fit: {fixes}" if fixes else "nothing tried fits; use more ranks or a larger device")
+        + f" (the plan as lmsys-plan prints it: {plan_command(cfg, world)})"
     )
     if refuse:
         raise ConfigError(message + "; trainer.plan=warn launches anyway")
     warn(message)
     return plan
+
+
+def plan_command(cfg: Config, world: int) -> str:
+    return (
+        f"lmsys-plan model={cfg.model.name} deepspeed.stage={cfg.deepspeed.stage} "
+        f"trainer.micro_batch_size={cfg.trainer.micro_batch_size} world={world} ..."
+    )
 
 
 # ----------------------------------------------------------------------------- the measured peak

@@ -129,12 +129,11 @@ def test_plan_command_json_and_errors():
 
 
 def test_a_launch_predicted_not_to_fit_is_refused_before_the_engine(prepared_data, tmp_path):
-    run = run_train(
-        "refused",
-        1,
-        [f"data.dir={prepared_data}", *COMMON, "trainer.plan=refuse", "trainer.plan_memory_bytes=1000000"],
-        tmp_path / "run",
-    )
+    """A pretend device one byte smaller than the predicted peak: refused before any process
+    group, engine or run directory exists, with the changes that fit (any lower peak does)."""
+    overrides = [f"data.dir={prepared_data}", *COMMON, "trainer.plan=refuse"]
+    peak = plan_launch(compose(overrides), 1, device_spec("cpu"), cpu_rate=1e9).peak_bytes
+    run = run_train("refused", 1, [*overrides, f"trainer.plan_memory_bytes={peak - 1}"], tmp_path / "run")
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 2 and len(lines) == 1, run.stderr
     assert lines[0].startswith("lmsys-train: error: predicted peak memory") and "what would fit" in lines[0]
