@@ -32,7 +32,7 @@ from lmsys.cli import Option, parse_options, run_cli
 from lmsys.core.config import compose
 from lmsys.engine.rundir import read_metrics
 from lmsys.training.devices import cpu_device, cpu_flops
-from lmsys.training.planning import mib, plan_launch
+from lmsys.training.planning import CPU_STEP_OVERHEAD_S, mib, plan_launch
 
 PROG = "lmsys-bench plan"
 OPTIONS = [
@@ -41,6 +41,7 @@ OPTIONS = [
     Option("only", "str", None, "run the rows whose name contains this"),
     Option("timeout", "int", 900, "seconds per run"),
     Option("predict", "bool", False, "print the GPU prediction table of docs/planning.md instead (no runs)"),
+    Option("replay", "str", None, "a saved output of this bench: predict its measured rows again (no runs)"),
 ]
 # The shrunk presets: (preset, vocabulary, overrides) at the row's sequence length.
 SHRINK = {
@@ -166,6 +167,8 @@ def measure(row: Row, root: Path, steps: int, rate: float, timeout: int) -> dict
         "predicted_bytes": plan.allocated_bytes,
         "predicted_step_s": plan.step_time_s,
         "components": plan.components,
+        "flops_per_step": plan.flops_per_step,
+        "grad_accum": plan.batch.grad_accum,
         "wall_s": time.perf_counter() - started,
     }
     memory = read_metrics(run_dir, "memory")
@@ -187,9 +190,10 @@ def measure(row: Row, root: Path, steps: int, rate: float, timeout: int) -> dict
     }
 
 
-def report(rows: list[dict[str, Any]], rate: float) -> str:
+def report(rows: list[dict[str, Any]], rate: float, replayed: bool = False) -> str:
     lines = [
-        f"CPU matmul rate (1 thread, measured here): {rate / 1e9:.1f} GFLOP/s",
+        ("replayed: memory predicted by the current model, the measurements as saved; " if replayed else "")
+        + f"training FLOP rate calibrated on these rows (median): {rate / 1e9:.2f} GFLOP/s",
         f"{'row':<44} {'predicted':>11} {'measured':>11} {'error':>7}  "
         f"{'pred s':>7} {'meas s':>7} {'error':>7}",
     ]
@@ -263,6 +267,48 @@ def prediction_table() -> str:
     return "\n".join(lines)
 
 
+def replay(path: str) -> list[dict[str, Any]]:
+    """The rows of a saved bench output (its `lmsys-bench plan: {...}` lines) with the memory
+    predicted again by the current model: the measurements stay what they were; the step time
+    keeps the prediction of the run (it used the CPU rate measured then)."""
+    rows = {r.name: r for r in (*GRID, *SMOKE)}
+    root = Path(tempfile.gettempdir())
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if not line.startswith(f"{PROG}: {{"):
+            continue
+        saved = json.loads(line[len(PROG) + 2 :])
+        row = rows.get(saved["row"])
+        if row is None or "measured_bytes" not in saved:
+            out.append(saved if "error" in saved else {**saved, "error": "not a row of this grid"})
+            continue
+        cfg = compose(row.overrides(root))
+        plan = plan_launch(cfg, row.world, cpu_device(), cpu_rate=1e9, suggest=False)
+        measured = int(saved["measured_bytes"])
+        saved.update(predicted_bytes=plan.allocated_bytes, memory_error=plan.allocated_bytes / measured - 1)
+        saved.update(flops_per_step=plan.flops_per_step, grad_accum=plan.batch.grad_accum)
+        out.append(saved)
+    return out
+
+
+def calibrate_time(rows: list[dict[str, Any]]) -> float | None:
+    """The CPU's effective training FLOP rate, calibrated on the rows themselves (the median of
+    FLOPs / measured step time: on a shared machine the load of the moment, not the matmul rate,
+    sets the pace), and every row's step time predicted with it."""
+    done = [r for r in rows if "measured_step_s" in r]
+    if not done:
+        return None
+    rates = [
+        r["flops_per_step"] / max(r["measured_step_s"] - CPU_STEP_OVERHEAD_S * r["grad_accum"], 1e-6)
+        for r in done
+    ]
+    rate = statistics.median(rates)
+    for r in done:
+        r["predicted_step_s"] = r["flops_per_step"] / rate + CPU_STEP_OVERHEAD_S * r["grad_accum"]
+        r["time_error"] = r["predicted_step_s"] / r["measured_step_s"] - 1
+    return rate
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
 
@@ -272,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if opts["predict"]:
             print(prediction_table())
+            return 0
+        if opts["replay"]:
+            replayed = replay(opts["replay"])
+            print(report(replayed, calibrate_time(replayed) or float("nan"), replayed=True))
             return 0
         rows = SMOKE if opts["smoke"] else GRID
         if opts["only"]:
@@ -288,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{PROG}: {json.dumps({k: v for k, v in results[-1].items() if k != 'components'})}",
                     flush=True,
                 )
-        print(report(results, rate))
+        print(f"{PROG}: CPU matmul rate {rate / 1e9:.1f} GFLOP/s (1 thread)")
+        print(report(results, calibrate_time(results) or float("nan")))
         return 0
 
     return run_cli(PROG, body)

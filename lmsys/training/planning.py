@@ -176,7 +176,9 @@ def activation_bytes(cfg: Config, tokens: int, act_bytes: int) -> int:
     the transient gradients of one block (and, with checkpointing, the one block recomputed)."""
     m = cfg.model
     block = block_saved_elements(cfg) * tokens * act_bytes
-    transient = block + 2 * tokens * m.d_model * act_bytes  # one block's gradients in flight
+    # the backward of one block: the gradients of its intermediate results, about twice its saved
+    # tensors at their peak on CPU (fitted by the bench: tiny at micro-batches 4 and 8)
+    transient = 2 * block + 2 * tokens * m.d_model * act_bytes
     final = 0
     if m.final_norm:
         own, keeps_input = _norm_saved(m.norm.formula, m.norm.affine, m.d_model)
@@ -198,9 +200,10 @@ def loss_impl_of(cfg: Config, device: Device) -> str:
 def loss_head_bytes(cfg: Config, tokens: int, impl: str, act_bytes: int) -> int:
     """The loss's own peak for one micro-batch of `tokens` positions (fp32 arithmetic)."""
     v, d = cfg.model.vocab_size, cfg.model.d_model
-    if impl == "full":  # logits in the model's dtype, their fp32 log-softmax, its gradient
+    if impl == "full":  # logits in the model's dtype, their fp32 log-softmax, its gradient and the
+        # gradient of the logits (4 buffers of (tokens, V) at the backward's peak, measured on CPU)
         upcast = 4 * tokens * v if act_bytes < 4 else 0
-        return tokens * v * act_bytes + 2 * tokens * v * 4 + upcast + tokens * d * act_bytes
+        return tokens * v * act_bytes + 3 * tokens * v * 4 + upcast + tokens * d * act_bytes
     from kernels.reference import lce_default_chunk  # the chunk rule of the chunked path
 
     chunk = lce_default_chunk(tokens, v) if impl == "chunked" else 0
