@@ -7,8 +7,9 @@ here; with ZeRO the largest partition is counted), in bytes:
 - parameters: the model in the run's precision (fp32 on CPU, bf16 on CUDA by default); ZeRO-3
   keeps 1/world of it plus, whole, every parameter under deepspeed.param_persistence_threshold.
 - gradients: ZeRO-0 the whole gradient (bf16 adds DeepSpeed's fp32 copy); ZeRO-1 the whole
-  gradient plus the fp32 partition; ZeRO-2 the fp32 partition; ZeRO-3 the fp32 partition and the
-  optimizer's fp32 gradient buffer (stage3.py allocates both).
+  gradient plus the partition's averaged gradient and its flat fp32 copy for the step; ZeRO-2 the
+  last two; ZeRO-3 the fp32 partition and the optimizer's fp32 gradient buffer (stage3.py
+  allocates both).
 - optimizer_states: Adam's two moments and the fp32 master weights (separate from the model at
   every stage but fp32 ZeRO-0), / world from ZeRO-1; offload_optimizer moves them to host memory
   (`host` in the plan), which on a CPU device is the same memory.
@@ -68,7 +69,9 @@ INTER_NODE_BYTES_PER_S = 50e9
 GPUS_PER_NODE = 8
 # Process memory beyond the model's tensors on CPU, by ZeRO stage (bytes), fitted by the bench:
 # DeepSpeed's optimizer modules imported at initialize, gloo's buffers, the data loader.
-CPU_RUNTIME_BYTES = {0: 40 * MIB, 1: 60 * MIB, 2: 60 * MIB, 3: 90 * MIB}
+# Fitted on 2026-11-27 to 1-rank runs of tiny and seed_trax (ZeRO-1 and 2 create DeepSpeed's
+# ZeRO optimizer: about 47 MiB more than ZeRO-0 whatever the model's size).
+CPU_RUNTIME_BYTES = {0: 15 * MIB, 1: 62 * MIB, 2: 62 * MIB, 3: 64 * MIB}
 COMPONENTS = (
     "parameters",
     "gradients",
@@ -97,6 +100,17 @@ class ModelShapes:
 
 
 def model_shapes(cfg: Config) -> ModelShapes:
+    """The shapes of cfg's model at its data.seq_len (cached: the suggestions re-plan one model)."""
+    key = (repr(cfg.model), cfg.data.seq_len)
+    if key not in _SHAPES:
+        _SHAPES[key] = _model_shapes(cfg)
+    return _SHAPES[key]
+
+
+_SHAPES: dict[tuple[str, int], ModelShapes] = {}
+
+
+def _model_shapes(cfg: Config) -> ModelShapes:
     with torch.device("meta"):
         model = Transformer(cfg.model)
     numels = tuple(p.numel() for p in model.parameters())
@@ -127,7 +141,8 @@ def _norm_saved(formula: str, affine: bool, d: int) -> tuple[int, int]:
         return 0, 0
     if formula == "sqrt_var_eps":
         return 2, 1
-    return d + 1 + (d if affine else 0), 0
+    stats = 2 if formula == "std_plus_eps" else 1  # sigma (and sigma + eps)
+    return d + stats + (d if affine else 0), 0
 
 
 def block_saved_elements(cfg: Config) -> int:
@@ -138,7 +153,8 @@ def block_saved_elements(cfg: Config) -> int:
     d, f, h = m.d_model, dims.d_ff, m.n_heads
     norm_own, norm_in = _norm_saved(m.norm.formula, m.norm.affine, d)
     qkv = h * (2 * dims.d_qk + dims.d_vo)  # q, k, v (after their biases) saved by attention
-    attention = qkv + 2 * h * dims.d_vo + h  # + its output, the heads' concatenation, log-sum-exp
+    # + its output and log-sum-exp; the heads' concatenation is a view of the output (its layout)
+    attention = qkv + h * dims.d_vo + h
     if m.attention.softmax == "matrix":
         attention += 2 * h * cfg.data.seq_len  # the whole score matrix and its softmax per query
     ffn_layer = f if m.ffn.activation == "relu" else 2 * f  # relu backward needs only its output
@@ -160,7 +176,9 @@ def activation_bytes(cfg: Config, tokens: int, act_bytes: int) -> int:
     the transient gradients of one block (and, with checkpointing, the one block recomputed)."""
     m = cfg.model
     block = block_saved_elements(cfg) * tokens * act_bytes
-    transient = block + 2 * tokens * m.d_model * act_bytes  # one block's gradients in flight
+    # the backward of one block: the gradients of its intermediate results, about twice its saved
+    # tensors at their peak on CPU (fitted by the bench: tiny at micro-batches 4 and 8)
+    transient = 2 * block + 2 * tokens * m.d_model * act_bytes
     final = 0
     if m.final_norm:
         own, keeps_input = _norm_saved(m.norm.formula, m.norm.affine, m.d_model)
@@ -182,9 +200,10 @@ def loss_impl_of(cfg: Config, device: Device) -> str:
 def loss_head_bytes(cfg: Config, tokens: int, impl: str, act_bytes: int) -> int:
     """The loss's own peak for one micro-batch of `tokens` positions (fp32 arithmetic)."""
     v, d = cfg.model.vocab_size, cfg.model.d_model
-    if impl == "full":  # logits in the model's dtype, their fp32 log-softmax, its gradient
+    if impl == "full":  # logits in the model's dtype, their fp32 log-softmax, its gradient and the
+        # gradient of the logits (4 buffers of (tokens, V) at the backward's peak, measured on CPU)
         upcast = 4 * tokens * v if act_bytes < 4 else 0
-        return tokens * v * act_bytes + 2 * tokens * v * 4 + upcast + tokens * d * act_bytes
+        return tokens * v * act_bytes + 3 * tokens * v * 4 + upcast + tokens * d * act_bytes
     from kernels.reference import lce_default_chunk  # the chunk rule of the chunked path
 
     chunk = lce_default_chunk(tokens, v) if impl == "chunked" else 0
@@ -215,9 +234,9 @@ def model_state_bytes(cfg: Config, shapes: ModelShapes, world: int, device: Devi
     adam_master = 12 * part if stage else (8 * n + (4 * n if p < 4 else 0))
     if stage == 0:
         params, grads = n * p, n * p + (4 * n if p < 4 else 0)
-    elif stage in (1, 2):
+    elif stage in (1, 2):  # the partition's averaged gradient, then its flat fp32 copy for the step
         params = n * p
-        grads = (n * p if stage == 1 else 0) + 4 * part
+        grads = (n * p if stage == 1 else 0) + part * p + 4 * part
     else:
         small = sum(k for k in shapes.param_numels if k < ds.param_persistence_threshold)
         params = part * p + small * p
@@ -591,11 +610,19 @@ def check_plan(cfg: Config, world: int, warn: Callable[[str], None]) -> Plan | N
         f"predicted peak memory {mib(plan.peak_bytes)} per rank does not fit {mib(plan.device_bytes)} "
         f"on {device.label} (lmsys-plan shows the components); "
         + (f"what would fit: {fixes}" if fixes else "nothing tried fits; use more ranks or a larger device")
+        + f" (the plan as lmsys-plan prints it: {plan_command(cfg, world)})"
     )
     if refuse:
         raise ConfigError(message + "; trainer.plan=warn launches anyway")
     warn(message)
     return plan
+
+
+def plan_command(cfg: Config, world: int) -> str:
+    return (
+        f"lmsys-plan model={cfg.model.name} deepspeed.stage={cfg.deepspeed.stage} "
+        f"trainer.micro_batch_size={cfg.trainer.micro_batch_size} world={world} ..."
+    )
 
 
 # ----------------------------------------------------------------------------- the measured peak

@@ -1,0 +1,349 @@
+"""The plan against measured runs: `python -m lmsys.bench plan [smoke=true] [steps=4]`.
+
+Runs a grid of real short CPU trainings (`python -m lmsys.train`, `torchrun --nproc_per_node=2`
+for 2 ranks; presets tiny, seed_trax, seed_postln, seed_compact, gpt2_124m shrunk to short
+sequences and a vocabulary of at most 8192; ZeRO 0-3 and 3 with offload; micro-batches 1-8;
+activation checkpointing on and off; loss_impl full and chunked) and prints, per row, the
+predicted and the measured peak memory per rank (the largest rank's, lmsys-train's `memory`
+record: peak RSS over the RSS before the model, lmsys.training.planning.measured_peak_bytes)
+and the predicted and measured step time (the median of steps 2.. of metrics.jsonl), with the
+errors, the worst and the median. The CPU FLOP rate the time prediction uses is measured here
+first (lmsys.training.devices.cpu_flops, one thread: what torchrun gives each CPU worker).
+
+smoke=true runs three 1-rank rows of the tiny preset (the test's size). Data: a synthetic prepared
+directory per vocabulary (lmsys.bench.train's), so no corpus is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from lmsys.bench.train import write_synthetic_data
+from lmsys.cli import Option, parse_options, run_cli
+from lmsys.core.config import compose
+from lmsys.engine.rundir import read_metrics
+from lmsys.training.devices import cpu_device, cpu_flops
+from lmsys.training.planning import CPU_STEP_OVERHEAD_S, mib, plan_launch
+
+PROG = "lmsys-bench plan"
+OPTIONS = [
+    Option("smoke", "bool", False, "three small 1-rank rows only"),
+    Option("steps", "int", 4, "optimizer steps per run"),
+    Option("only", "str", None, "run the rows whose name contains this"),
+    Option("timeout", "int", 900, "seconds per run"),
+    Option("predict", "bool", False, "print the GPU prediction table of docs/planning.md instead (no runs)"),
+    Option("replay", "str", None, "a saved output of this bench: predict its measured rows again (no runs)"),
+]
+# The shrunk presets: (preset, vocabulary, overrides) at the row's sequence length.
+SHRINK = {
+    "tiny": (2048, []),
+    "seed_trax": (8192, []),
+    "seed_postln": (8192, []),
+    "seed_compact": (8192, []),
+    "gpt2_124m": (8192, ["model.vocab_size=8192"]),
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    preset: str
+    world: int
+    stage: int
+    micro: int
+    seq: int = 128
+    checkpointing: bool = False
+    loss_impl: str = "chunked"
+    offload: bool = False
+
+    @property
+    def name(self) -> str:
+        bits = [
+            self.preset,
+            f"w{self.world}",
+            f"z{self.stage}{'off' if self.offload else ''}",
+            f"mb{self.micro}",
+        ]
+        bits += [f"T{self.seq}", self.loss_impl] + (["ckpt"] if self.checkpointing else [])
+        return "-".join(bits)
+
+    def overrides(self, data_root: Path) -> list[str]:
+        vocab, extra = SHRINK[self.preset]
+        deepspeed = "zero3_offload" if self.offload else f"zero{self.stage}"
+        return [
+            f"model={self.preset}",
+            *extra,
+            f"data.dir={data_root / f'data{vocab}'}",
+            f"data.seq_len={self.seq}",
+            f"deepspeed={deepspeed}",
+            f"deepspeed.activation_checkpointing={str(self.checkpointing).lower()}",
+            f"model.loss_impl={self.loss_impl}",
+            f"trainer.micro_batch_size={self.micro}",
+            f"trainer.global_batch_tokens={self.micro * self.world * self.seq * 2}",  # accumulation 2
+            "trainer.eval_batches=1",
+            "trainer.eval_interval=1000",
+            "trainer.save_interval=1000",
+            "trainer.keep_last=1",
+            "trainer.progress=false",
+            "optim.warmup_steps=1",
+            "logger=none",
+        ]
+
+
+GRID = [
+    Row("tiny", 1, 0, 8, loss_impl="full"),
+    Row("tiny", 1, 0, 8),
+    Row("tiny", 1, 1, 4),
+    Row("tiny", 1, 2, 4, checkpointing=True),
+    Row("tiny", 1, 3, 2),
+    Row("tiny", 2, 0, 4),
+    Row("tiny", 2, 1, 4, loss_impl="full"),
+    Row("tiny", 2, 2, 4),
+    Row("tiny", 2, 3, 4),
+    Row("tiny", 2, 3, 4, offload=True),
+    Row("tiny", 2, 3, 1, checkpointing=True),
+    Row("seed_trax", 1, 0, 2),
+    Row("seed_trax", 1, 2, 4, checkpointing=True),
+    Row("seed_trax", 2, 1, 2),
+    Row("seed_trax", 2, 3, 2),
+    Row("seed_postln", 1, 1, 4, loss_impl="full"),
+    Row("seed_postln", 2, 0, 2),
+    Row("seed_postln", 2, 2, 8, checkpointing=True),
+    Row("seed_postln", 2, 3, 2, offload=True),
+    Row("seed_compact", 1, 3, 2),
+    Row("seed_compact", 2, 0, 4, loss_impl="full"),
+    Row("seed_compact", 2, 2, 2, seq=256),
+    Row("seed_compact", 2, 3, 8, checkpointing=True),
+    Row("gpt2_124m", 1, 0, 1),
+    Row("gpt2_124m", 2, 3, 2, seq=256, checkpointing=True),
+]
+SMOKE = [
+    Row("tiny", 1, 0, 4, seq=64, loss_impl="full"),
+    Row("tiny", 1, 2, 4, seq=64),
+    Row("tiny", 1, 3, 2, seq=64),
+]
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def command(world: int, overrides: list[str]) -> list[str]:
+    if world == 1:
+        return [sys.executable, "-m", "lmsys.train", *overrides]
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    return [torchrun, "--standalone", f"--nproc_per_node={world}", "-m", "lmsys.train", *overrides]
+
+
+def measure(row: Row, root: Path, steps: int, rate: float, timeout: int) -> dict[str, Any]:
+    """One row: the plan, then the real run; predicted and measured figures."""
+    overrides = row.overrides(root)
+    plan = plan_launch(compose(overrides), row.world, cpu_device(), cpu_rate=rate, suggest=False)
+    run_dir = root / "runs" / row.name
+    started = time.perf_counter()
+    proc = subprocess.run(
+        command(row.world, [*overrides, f"trainer.max_steps={steps}", f"trainer.run_dir={run_dir}"]),
+        env=child_env(),
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    result: dict[str, Any] = {
+        "row": row.name,
+        "predicted_bytes": plan.allocated_bytes,
+        "predicted_step_s": plan.step_time_s,
+        "components": plan.components,
+        "flops_per_step": plan.flops_per_step,
+        "grad_accum": plan.batch.grad_accum,
+        "wall_s": time.perf_counter() - started,
+    }
+    memory = read_metrics(run_dir, "memory")
+    train = read_metrics(run_dir, "train")
+    if proc.returncode != 0 or not memory:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {**result, "error": f"exit {proc.returncode}: {' | '.join(tail)}"}
+    measured = int(memory[-1]["measured_peak_bytes"])
+    times = [float(r["step_time_s"]) for r in train if int(r["step"]) >= 2] or [
+        float(train[-1]["step_time_s"])
+    ]
+    step_s = statistics.median(times)
+    return {
+        **result,
+        "measured_bytes": measured,
+        "measured_step_s": step_s,
+        "memory_error": plan.allocated_bytes / measured - 1 if measured > 0 else float("nan"),
+        "time_error": plan.step_time_s / step_s - 1,
+    }
+
+
+def report(rows: list[dict[str, Any]], rate: float, replayed: bool = False) -> str:
+    lines = [
+        ("replayed: memory predicted by the current model, the measurements as saved; " if replayed else "")
+        + f"training FLOP rate calibrated on these rows (median): {rate / 1e9:.2f} GFLOP/s",
+        f"{'row':<44} {'predicted':>11} {'measured':>11} {'error':>7}  "
+        f"{'pred s':>7} {'meas s':>7} {'error':>7}",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['row']:<44} failed: {r['error']}")
+            continue
+        lines.append(
+            f"{r['row']:<44} {mib(r['predicted_bytes']):>11} {mib(r['measured_bytes']):>11} "
+            f"{r['memory_error']:>+7.1%}  {r['predicted_step_s']:>7.3f} {r['measured_step_s']:>7.3f} "
+            f"{r['time_error']:>+7.1%}"
+        )
+    done = [r for r in rows if "error" not in r]
+    for key, what in (("memory_error", "memory"), ("time_error", "step time")):
+        errors = [abs(r[key]) for r in done]
+        if errors:
+            within = sum(e <= (0.10 if key == "memory_error" else 0.30) for e in errors)
+            lines.append(
+                f"{what}: worst {max(errors):.1%}, median {statistics.median(errors):.1%}, "
+                f"{within} of {len(errors)} rows within {'10' if key == 'memory_error' else '30'}%"
+            )
+    return "\n".join(lines)
+
+
+PREDICT_MODELS = ("gpt2_124m", "gpt2_350m", "gpt2_774m", "gpt2_1558m")
+PREDICT_DEVICES = ("a100-80gb", "h100")
+
+
+def largest_micro(base: Any, world: int, device: Any) -> tuple[int, Any]:
+    """The largest power-of-two micro-batch (<= 64, splitting the global batch) that fits, and its plan."""
+    best: tuple[int, Any] = (0, None)
+    for micro in (1, 2, 4, 8, 16, 32, 64):
+        cfg = replace(base, trainer=replace(base.trainer, micro_batch_size=micro))
+        if (cfg.trainer.global_batch_tokens // cfg.data.seq_len) % (micro * world):
+            break
+        plan = plan_launch(cfg, world, device, suggest=False)
+        if not plan.fits:
+            break
+        best = (micro, plan)
+    return best
+
+
+def prediction_table() -> str:
+    """gpt2_124m..gpt2_1558m x ZeRO 0-3 x world 1/8/64 at T=1024 (trainer=gpt2's 524,288-token
+    global batch): per-GPU peak at micro-batch 1, the largest micro-batch that fits, its tokens/s."""
+    from lmsys.training.devices import device_spec
+
+    lines = [
+        "| model | ZeRO | world | device | peak per GPU at micro 1 | largest micro that fits | peak there "
+        "| predicted tokens/s (all GPUs) | MFU |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for model in PREDICT_MODELS:
+        composed = compose([f"model={model}", "trainer=gpt2", "optim=gpt2"])
+        for stage in range(4):
+            base = replace(composed, deepspeed=replace(composed.deepspeed, stage=stage))
+            for world in (1, 8, 64):
+                for name in PREDICT_DEVICES:
+                    device = device_spec(name)
+                    one = replace(base, trainer=replace(base.trainer, micro_batch_size=1))
+                    at_one = plan_launch(one, world, device, suggest=False)
+                    micro, plan = largest_micro(base, world, device)
+                    fit = f"{micro}" if plan else "none"
+                    peak = mib(plan.peak_bytes) if plan else "-"
+                    speed = f"{plan.tokens_per_s:,.0f}" if plan else "-"
+                    mfu = f"{plan.mfu:.0%}" if plan and plan.mfu else "-"
+                    lines.append(
+                        f"| {model} | {stage} | {world} | {name} | {mib(at_one.peak_bytes)} | {fit} | {peak} "
+                        f"| {speed} | {mfu} |"
+                    )
+    return "\n".join(lines)
+
+
+def replay(path: str) -> list[dict[str, Any]]:
+    """The rows of a saved bench output (its `lmsys-bench plan: {...}` lines) with the memory
+    predicted again by the current model: the measurements stay what they were; the step time
+    keeps the prediction of the run (it used the CPU rate measured then)."""
+    rows = {r.name: r for r in (*GRID, *SMOKE)}
+    root = Path(tempfile.gettempdir())
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if not line.startswith(f"{PROG}: {{"):
+            continue
+        saved = json.loads(line[len(PROG) + 2 :])
+        row = rows.get(saved["row"])
+        if row is None or "measured_bytes" not in saved:
+            out.append(saved if "error" in saved else {**saved, "error": "not a row of this grid"})
+            continue
+        cfg = compose(row.overrides(root))
+        plan = plan_launch(cfg, row.world, cpu_device(), cpu_rate=1e9, suggest=False)
+        measured = int(saved["measured_bytes"])
+        saved.update(predicted_bytes=plan.allocated_bytes, memory_error=plan.allocated_bytes / measured - 1)
+        saved.update(flops_per_step=plan.flops_per_step, grad_accum=plan.batch.grad_accum)
+        out.append(saved)
+    return out
+
+
+def calibrate_time(rows: list[dict[str, Any]]) -> float | None:
+    """The CPU's effective training FLOP rate, calibrated on the rows themselves (the median of
+    FLOPs / measured step time: on a shared machine the load of the moment, not the matmul rate,
+    sets the pace), and every row's step time predicted with it."""
+    done = [r for r in rows if "measured_step_s" in r]
+    if not done:
+        return None
+    rates = [
+        r["flops_per_step"] / max(r["measured_step_s"] - CPU_STEP_OVERHEAD_S * r["grad_accum"], 1e-6)
+        for r in done
+    ]
+    rate = statistics.median(rates)
+    for r in done:
+        r["predicted_step_s"] = r["flops_per_step"] / rate + CPU_STEP_OVERHEAD_S * r["grad_accum"]
+        r["time_error"] = r["predicted_step_s"] / r["measured_step_s"] - 1
+    return rate
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+
+    def body() -> int:
+        opts = parse_options(PROG, argv, OPTIONS, __doc__ or "")
+        if opts is None:
+            return 0
+        if opts["predict"]:
+            print(prediction_table())
+            return 0
+        if opts["replay"]:
+            replayed = replay(opts["replay"])
+            print(report(replayed, calibrate_time(replayed) or float("nan"), replayed=True))
+            return 0
+        rows = SMOKE if opts["smoke"] else GRID
+        if opts["only"]:
+            rows = [r for r in rows if opts["only"] in r.name]
+        rate = cpu_flops(threads=1, seconds=1.0)
+        with tempfile.TemporaryDirectory(prefix="lmsys-bench-plan-") as scratch:
+            root = Path(scratch)
+            for vocab in sorted({SHRINK[r.preset][0] for r in rows}):
+                write_synthetic_data(root / f"data{vocab}", vocab, 300_000)
+            results = []
+            for row in rows:
+                results.append(measure(row, root, opts["steps"], rate, opts["timeout"]))
+                print(
+                    f"{PROG}: {json.dumps({k: v for k, v in results[-1].items() if k != 'components'})}",
+                    flush=True,
+                )
+        print(f"{PROG}: CPU matmul rate {rate / 1e9:.1f} GFLOP/s (1 thread)")
+        print(report(results, calibrate_time(results) or float("nan")))
+        return 0
+
+    return run_cli(PROG, body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""lmsys-plan and the memory plan of a launch (lmsys/training/planning.py): the components against
+exact counts (the model's numel, what autograd really saves per block), the command's JSON and its
+errors, the refusal before the engine exists, and a real run's measured peak beside the prediction."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from lmsys.core.config import compose
+from lmsys.model.transformer import Block, Transformer
+from lmsys.training.devices import device_spec
+from lmsys.training.planning import block_saved_elements, plan_launch
+from tests.train.conftest import COMMON, REPO_ROOT, child_env, run_train
+
+SMALL = [o for o in COMMON if o.startswith("model.")] + [
+    "trainer.global_batch_tokens=256",
+    "trainer.micro_batch_size=4",
+]
+
+
+def _plan(overrides: list[str], world: int = 1, device: str = "cpu"):
+    return plan_launch(compose([*SMALL, *overrides]), world, device_spec(device), cpu_rate=1e9)
+
+
+def test_model_states_are_exact_counts_of_the_model():
+    cfg = compose(SMALL)
+    n = Transformer(cfg.model).num_parameters()
+    z0 = _plan(["deepspeed=zero0"])
+    assert z0.n_params == n
+    # fp32 on CPU, ZeRO-0: weights, gradients, Adam's two moments (the weights are the master)
+    assert (z0.components["parameters"], z0.components["gradients"]) == (4 * n, 4 * n)
+    assert z0.components["optimizer_states"] == 8 * n
+    # ZeRO-3 on 2 ranks, every parameter partitioned: 1/2 of the weights, fp32 master + moments
+    half = -(-n // 2)
+    z3 = _plan(["deepspeed=zero3", "deepspeed.param_persistence_threshold=0"], world=2)
+    assert z3.components["parameters"] == 4 * half
+    assert z3.components["optimizer_states"] == 12 * half
+    # bf16 on a GPU at ZeRO-0: bf16 weights and gradients, DeepSpeed's fp32 gradients and master
+    gpu = _plan(["deepspeed=zero0"], device="h100")
+    assert gpu.precision == "bf16"
+    assert (gpu.components["parameters"], gpu.components["gradients"]) == (2 * n, 6 * n)
+    assert gpu.components["optimizer_states"] == 12 * n
+    # offload moves the optimizer states of a GPU run to host memory, and says so
+    off = _plan(["deepspeed=zero3_offload"], world=2, device="h100")
+    assert off.components["optimizer_states"] == 0 and off.host["optimizer_states"] > 0
+
+
+@pytest.mark.parametrize("preset", ["tiny", "seed_trax", "seed_compact", "seed_gpt"])
+def test_block_activations_are_what_autograd_saves(preset):
+    """Every tensor a block's forward saves for its backward (saved-tensor hooks, one count per
+    storage, parameters excluded) against the plan's per-token count."""
+    cfg = compose([f"model={preset}", "model.n_layers=1", "model.vocab_size=64", "data.seq_len=16"])
+    block = Block(cfg.model)
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randn(2, 16, cfg.model.d_model, requires_grad=True)  # (B, T, D)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    assert sum(storages.values()) == block_saved_elements(cfg) * 2 * 16 * 4
+
+
+def test_suggestions_fit_and_lower_the_peak():
+    cfg = compose([*SMALL, "trainer.micro_batch_size=8", "model.loss_impl=full"])
+    roomy = plan_launch(cfg, 1, device_spec("h100"))
+    assert roomy.fits and not roomy.suggestions
+    tiny_gpu = replace(device_spec("h100"), memory_bytes=roomy.peak_bytes - 1)
+    tight = plan_launch(cfg, 1, tiny_gpu)
+    assert not tight.fits and tight.suggestions
+    fitting = [s for s in tight.suggestions if s.fits]
+    assert fitting and all(s.peak_bytes < tight.peak_bytes for s in fitting)
+    assert any(s.change == "trainer.micro_batch_size=4 (accumulation 2)" for s in tight.suggestions)
+    assert any(s.change == "model.loss_impl=chunked" for s in tight.suggestions)
+
+
+def _plan_cli(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "lmsys.plan", *args],
+        cwd=REPO_ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def test_plan_command_json_and_errors():
+    """One JSON object whose components add up to peak_bytes; bad input is one line, exit 2."""
+    calls = {
+        "json": _plan_cli(
+            "model=gpt2_124m", "trainer=gpt2", "deepspeed=zero3", "world=8", "device=a100-80gb", "json=true"
+        ),
+        "text": _plan_cli("world=2"),
+        "device": _plan_cli("device=tpu"),
+        "world": _plan_cli("world=3"),
+        "config": _plan_cli("model.d_model=-1"),
+    }
+    out = {name: (p.wait(timeout=120), *p.communicate()) for name, p in calls.items()}
+    code, stdout, stderr = out["json"]
+    assert code == 0, stderr
+    plan = json.loads(stdout)
+    for key in (
+        "peak_bytes",
+        "components",
+        "device_bytes",
+        "fits",
+        "step_time_s",
+        "tokens_per_s",
+        "mfu",
+        "suggestions",
+    ):
+        assert key in plan
+    assert isinstance(plan["peak_bytes"], int) and sum(plan["components"].values()) == plan["peak_bytes"]
+    assert plan["device_bytes"] == 80 * 2**30 and plan["fits"] is True and 0 < plan["mfu"] < 1
+    code, stdout, _ = out["text"]
+    assert code == 0 and "memory per rank:" in stdout and "fits:" in stdout
+    for name, needle in (("device", "device='tpu'"), ("world", "world_size=3"), ("config", "model.d_model")):
+        code, stdout, stderr = out[name]
+        lines = stderr.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("lmsys-plan: error: "), stderr
+        assert needle in lines[0]
+
+
+def test_a_launch_predicted_not_to_fit_is_refused_before_the_engine(prepared_data, tmp_path):
+    """A pretend device one byte smaller than the predicted peak: refused before any process
+    group, engine or run directory exists, with the changes that fit (any lower peak does)."""
+    overrides = [f"data.dir={prepared_data}", *COMMON, "trainer.plan=refuse"]
+    peak = plan_launch(compose(overrides), 1, device_spec("cpu"), cpu_rate=1e9).peak_bytes
+    run = run_train("refused", 1, [*overrides, f"trainer.plan_memory_bytes={peak - 1}"], tmp_path / "run")
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1, run.stderr
+    assert lines[0].startswith("lmsys-train: error: predicted peak memory") and "what would fit" in lines[0]
+    assert "trainer.plan=warn" in lines[0]
+    assert "starting: process group" not in run.stdout and not (tmp_path / "run").exists()
+
+
+def test_a_real_run_reports_its_measured_peak_beside_the_prediction(runs):
+    """The cached 1-process run: the startup prediction, the measured peak after the first step
+    (metrics.jsonl kind=memory) within a generous factor of the prediction (the bench's table
+    holds the accuracy: docs/planning.md)."""
+    run = runs.get("1proc").check()
+    assert "memory: predicted" in run.stdout and "lmsys-plan lists the components" in run.stdout
+    (record,) = run.records("memory")
+    measured, predicted = record["measured_peak_bytes"], record["predicted_peak_bytes"]
+    assert record["step"] == 1 and measured > 0
+    assert 0.5 < measured / predicted < 2.0, (measured, predicted)
+    assert f"measured {measured / 2**20:,.1f} MiB" in run.stdout
