@@ -160,7 +160,11 @@ class Watchdog:
     # -- the thread ------------------------------------------------------------------------------
 
     def start(self, start_step: int) -> Watchdog:
-        self.store = side_channel(max(30.0, self.grace_s * 2), self.run_dir, start_step)
+        try:
+            self.store = side_channel(max(30.0, self.grace_s * 2), self.run_dir, start_step)
+        except Exception as exc:  # no side channel: still write the stacks, name nobody
+            self.warn(f"the hang watchdog cannot reach the rendezvous store ({exc}): stacks only")
+            self.store = None
         if self.store is not None:
             self.store.set(f"pid/{self.rank}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
         self._thread = threading.Thread(target=self._run, name="lmsys-watchdog", daemon=True)
