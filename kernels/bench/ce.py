@@ -8,6 +8,15 @@ Loss forward + backward at gpt2_124m's shapes (N = 8192 tokens, D = 768, V = 50,
     fused    the Triton kernel of model.loss_impl=fused (CUDA only: the interpreter on a CPU would
              take hours at these shapes)
 
+and, as baselines, torch's own F.linear_cross_entropy with each of its chunking options
+(torch.nn.LinearCrossEntropyOptions):
+
+    torch        options=None: torch's reference path (the logits exist, as in full)
+    torch-auto   LinearCrossEntropyOptions(): its per-(device, dtype) automatic choice
+    torch-ar1    chunking_method="aspect_ratio" (chunks of about D tokens)
+    torch-ar2    chunking_method="aspect_ratio:2" (half that)
+    torch-b1024  batch_chunk_size=1024 (fixed chunks of 1024 tokens)
+
 Each variant runs in a fresh process, so its peak memory is its own: on a CPU the peak resident
 set (VmHWM, reset through /proc/self/clear_refs once the inputs exist) minus the resident set
 then; on a GPU torch.cuda.max_memory_allocated minus the memory allocated then. Time: the median
@@ -16,9 +25,10 @@ memory ratio = full / variant (> 1: the variant needs less), time ratio = varian
 faster). fp32 on a CPU, bf16 inputs on a GPU (fp32 accumulation everywhere).
 
 `--model` runs the issue's end-to-end check instead: Transformer(gpt2_124m) `.loss(tokens,
-weights)` on tokens (4, 1024), forward and backward, with model.loss_impl=chunked against full,
-each in its own process (peak memory and time as above), and the losses and every gradient
-compared (max relative difference printed; the check is 1e-5).
+weights)` on tokens (4, 1024), forward and backward, with model.loss_impl=chunked and =torch
+(torch's op, automatic chunking) against full, each in its own process (peak memory and time as
+above), and the losses and every gradient compared (max relative difference printed; the check
+is 1e-5).
 """
 
 from __future__ import annotations
@@ -37,6 +47,14 @@ from pathlib import Path
 import torch
 
 VARIANTS = ("full", "chunked", "fused")
+# torch's F.linear_cross_entropy: variant -> its LinearCrossEntropyOptions keywords (None: options=None)
+TORCH_VARIANTS: dict[str, dict | None] = {
+    "torch": None,
+    "torch-auto": {},
+    "torch-ar1": {"chunking_method": "aspect_ratio"},
+    "torch-ar2": {"chunking_method": "aspect_ratio:2"},
+    "torch-b1024": {"chunking_method": None, "batch_chunk_size": 1024},
+}
 MEMORY_TARGET = {"cpu": 4.0, "cuda": 5.0}  # at least this much less peak memory than full
 TIME_TARGET = {"cpu": 1.15, "cuda": 1.0}  # at most this many times full's time
 
@@ -83,6 +101,14 @@ def _loss_fn(variant: str):
             return torch.nn.functional.cross_entropy((h @ w.T).float(), t)
 
         return full
+    if variant in TORCH_VARIANTS:
+        keywords = TORCH_VARIANTS[variant]
+        options = None if keywords is None else torch.nn.LinearCrossEntropyOptions(**keywords)
+
+        def torch_op(h, w, t):
+            return torch.nn.functional.linear_cross_entropy(h, w, t, options=options).float()
+
+        return torch_op
     if variant == "chunked":
         from kernels.reference import chunked_linear_cross_entropy
 
@@ -124,7 +150,7 @@ def worker_model(variant: str, out_dir: Path) -> dict[str, float]:
     from lmsys.model.transformer import Transformer
 
     torch.manual_seed(0)
-    model = Transformer(compose(["model=gpt2_124m", f"model.loss_impl={variant}"]).model)
+    model = Transformer(compose(["model=gpt2_124m", f"model.loss_impl={variant}"]).model)  # torch: torch's op
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, model.cfg.vocab_size, (4, 1024), generator=gen)  # (B, S)
     weights = (torch.rand(4, 1024, generator=gen) > 0.05).float()  # (B, S)
@@ -152,11 +178,11 @@ def _run_worker(args: list[str]) -> dict[str, float]:
 def _table(results: dict[str, dict[str, float]]) -> str:
     base = results["full"]
     lines = [
-        f"{'variant':<9}{'peak MiB':>10}{'time s':>9}{'loss':>10}{'memory vs full':>16}{'time vs full':>14}"
+        f"{'variant':<12}{'peak MiB':>10}{'time s':>9}{'loss':>10}{'memory vs full':>16}{'time vs full':>14}"
     ]
     for name, r in results.items():
         lines.append(
-            f"{name:<9}{r['peak_bytes'] / 2**20:>10.0f}{r['seconds']:>9.2f}{r['loss']:>10.4f}"
+            f"{name:<12}{r['peak_bytes'] / 2**20:>10.0f}{r['seconds']:>9.2f}{r['loss']:>10.4f}"
             f"{base['peak_bytes'] / max(r['peak_bytes'], 1):>15.1f}x{r['seconds'] / base['seconds']:>13.2f}x"
         )
     return "\n".join(lines)
@@ -177,9 +203,17 @@ def bench_ops(n: int, d: int, v: int, repeat: int) -> int:
     print(f"shape:  N={n:,} tokens, D={d}, V={v:,}; {dtype} inputs; loss forward+backward")
     print(f"each variant in a fresh process; time: median of {repeat} after a warm-up")
     print()
-    variants = VARIANTS if on_gpu else ("full", "chunked")
+    variants = [*(VARIANTS if on_gpu else ("full", "chunked")), *TORCH_VARIANTS]
     results = {name: _run_worker([name, str(n), str(d), str(v), str(repeat)]) for name in variants}
     print(_table(results))
+    ours = "fused" if on_gpu else "chunked"
+    fastest = min(TORCH_VARIANTS, key=lambda name: results[name]["seconds"])
+    time_ratio = results[fastest]["seconds"] / results[ours]["seconds"]
+    memory_ratio = results[fastest]["peak_bytes"] / max(results[ours]["peak_bytes"], 1)
+    print(
+        f"torch's fastest ({fastest}) vs lmsys's {ours}: {time_ratio:.2f}x the time, {memory_ratio:.2f}x the "
+        "peak memory (model.loss_impl=auto: docs/model.md)"
+    )
     print()
     best = "fused" if on_gpu else "chunked"
     mem = results["full"]["peak_bytes"] / max(results[best]["peak_bytes"], 1)
@@ -198,9 +232,16 @@ def bench_model() -> int:
     print("gpt2_124m .loss(tokens (4, 1024), weights) forward+backward; each variant in a fresh process")
     print()
     with tempfile.TemporaryDirectory() as tmp:
-        results = {name: _run_worker(["model", name, tmp]) for name in ("full", "chunked")}
+        results = {name: _run_worker(["model", name, tmp]) for name in ("full", "chunked", "torch")}
         print(_table(results))
-        full, chunked = (torch.load(Path(tmp) / f"{n}.pt") for n in ("full", "chunked"))
+        full = torch.load(Path(tmp) / "full.pt")
+        for name in ("chunked", "torch"):
+            _compare_model(name, torch.load(Path(tmp) / f"{name}.pt"), full)
+    return 0
+
+
+def _compare_model(variant: str, chunked: dict, full: dict) -> None:
+    """One variant's loss and gradients against full's, printed with the 1e-5 check."""
     loss_diff = abs(chunked["loss"].item() - full["loss"].item()) / abs(full["loss"].item())
     # A gradient that is zero in exact arithmetic (the attention key bias: softmax ignores a
     # constant added to a row of scores) is float noise on both sides: judged against the model's
@@ -216,11 +257,10 @@ def bench_model() -> int:
     print()
     verdict = "met" if max(loss_diff, grad_diff) <= 1e-5 else "NOT met"
     print(
-        f"chunked vs full: loss rel. diff {loss_diff:.1e}, gradients max |diff| / max |grad| per "
+        f"{variant} vs full: loss rel. diff {loss_diff:.1e}, gradients max |diff| / max |grad| per "
         f"parameter {grad_diff:.1e} (check 1e-5: {verdict}); {len(noise)} parameters with a zero "
         f"gradient (below 1e-6 of the largest, e.g. {', '.join(noise[:2]) or '-'}) against the largest"
     )
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""`python -m lmsys.bench {train,prepare,generate,plan} [key=value ...]`: the system benchmarks."""
+"""`python -m lmsys.bench {train,prepare,generate,plan,ttl} [key=value ...]`: the system benchmarks."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ COMMANDS = {
     "prepare": "lmsys.bench.prepare",
     "generate": "lmsys.bench.generate",
     "plan": "lmsys.bench.plan",
+    "ttl": "lmsys.bench.ttl",
 }
 
 

@@ -37,7 +37,7 @@ NORM_FORMULAS = ("sqrt_var_eps", "std_plus_eps", "exact", "none")
 BLOCK_KINDS = ("none", "pre", "post", "parallel")
 SOFTMAX_KINDS = ("row", "matrix")
 KERNEL_CHOICES = ("auto", "triton", "torch")
-LOSS_IMPLS = ("auto", "fused", "chunked", "full")
+LOSS_IMPLS = ("auto", "fused", "chunked", "torch", "full")
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
 

@@ -6,7 +6,7 @@ how CI tests the wiring), "torch" forces the references. The kernels are called 
 torch custom ops (`torch.ops.lmsys.*`, registered beside each kernel), so torch.compile traces
 through them; the kernel modules are imported lazily so a CPU-only user never pays for a Triton import.
 The loss from hidden states follows `model.loss_impl` (`linear_cross_entropy`): the fused Triton
-kernel or the chunked torch path.
+kernel, the chunked torch path, or torch's own F.linear_cross_entropy (chunked, "torch").
 
 Entry points call `prepare_kernels(kernels, device)` once, before anything imports triton: it
 selects the Triton CPU interpreter when "triton" is asked for without CUDA, so that a user never
@@ -270,8 +270,12 @@ _FUSED_LOSS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def loss_implementation(h: torch.Tensor, loss_impl: str, kernels: str) -> str:
-    """What `model.loss_impl` means for hidden states `h`: "fused", "chunked" or "full" as set, and
-    "auto" is fused where model.kernels runs Triton (CUDA tensors under "auto"), chunked elsewhere."""
+    """What `model.loss_impl` means for hidden states `h`: "fused", "chunked", "torch" or "full" as
+    set, and "auto" is fused where model.kernels runs Triton (CUDA tensors under "auto"), chunked
+    elsewhere. Why not torch's F.linear_cross_entropy under auto (docs/model.md, `python -m
+    kernels.bench ce`): on a CPU lmsys's chunked path is faster than every chunking option of
+    torch's (and as small); on CUDA the fused kernel is lmsys's, torch's op is a row of the same
+    benchmark, and auto changes only where that benchmark on the device says so."""
     if loss_impl == "fused" and "linear_cross_entropy" in _FALLEN_BACK:
         return "chunked"  # the self-check found the kernel wrong on this device
     if loss_impl != "auto":
@@ -291,8 +295,11 @@ def linear_cross_entropy(
     kernels: str = "auto",
 ) -> torch.Tensor:  # 0-dim fp32 (float64 for a float64 model)
     """-sum(w log softmax(h W^T + b)[t]) / sum(w) without the (tokens, V) logits: the Triton kernel
-    ("fused") or the chunked torch path ("chunked"); "full" is the model's own logits path."""
+    ("fused"), the chunked torch path ("chunked") or torch's chunked op ("torch"); "full" is the
+    model's own logits path."""
     impl = loss_implementation(h, loss_impl, kernels)
+    if impl == "torch":
+        return torch_linear_cross_entropy(h, weight, targets, weights, bias)
     if impl == "fused":
         if not h.is_cuda:
             prepare_interpreted_loss(h, kernels)
@@ -303,6 +310,32 @@ def linear_cross_entropy(
     if impl != "chunked":
         raise ValueError(f"ops.linear_cross_entropy computes the fused or chunked loss, not {impl!r}")
     return chunked_linear_cross_entropy(h, weight, targets, weights, bias)
+
+
+def torch_linear_cross_entropy(
+    h: torch.Tensor,  # (..., D)
+    weight: torch.Tensor,  # (V, D)
+    targets: torch.Tensor,  # (...)
+    weights: torch.Tensor | None,  # (...)
+    bias: torch.Tensor | None,  # (V,)
+    options: torch.nn.LinearCrossEntropyOptions | None = None,
+) -> torch.Tensor:  # 0-dim fp32 (float64 for float64 inputs)
+    """model.loss_impl=torch: torch's own F.linear_cross_entropy, chunked (its automatic chunking
+    unless `options` say otherwise), per token, then lmsys's weighted mean."""
+    per_token = F.linear_cross_entropy(
+        h.reshape(-1, h.shape[-1]),  # (N, D)
+        weight,
+        targets.reshape(-1),  # (N,)
+        linear_bias=bias,
+        reduction="none",
+        options=torch.nn.LinearCrossEntropyOptions() if options is None else options,
+    )  # (N,)
+    acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+    per_token = per_token.to(acc)
+    if weights is None:
+        return per_token.mean()
+    w = weights.reshape(-1).to(acc)  # (N,)
+    return (per_token * w).sum() / w.sum()
 
 
 def prepare_interpreted_loss(h: torch.Tensor, kernels: str) -> None:

@@ -209,8 +209,9 @@ def test_gpt2_targets_without_verdicts_or_rows():
 
 
 def test_bench_ce_runs_each_variant_in_its_own_process():
-    """`python -m kernels.bench ce` at small shapes: full and chunked (fused too on CUDA) give the
-    same loss, each with its peak memory, time and ratios against full, and the target line."""
+    """`python -m kernels.bench ce` at small shapes: full and chunked (fused too on CUDA) and torch's
+    F.linear_cross_entropy with each chunking option give the same loss, each with its peak
+    memory, time and ratios against full, and the target line."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -236,11 +237,15 @@ def test_bench_ce_runs_each_variant_in_its_own_process():
         line.split()[0]: line.split()
         for line in proc.stdout.splitlines()
         if line.split()[:1] in (["full"], ["chunked"], ["fused"])
+        or line.startswith("torch ")
+        or line.startswith("torch-")
     }
-    expected = {"full", "chunked", "fused"} if torch.cuda.is_available() else {"full", "chunked"}
+    ours = {"full", "chunked", "fused"} if torch.cuda.is_available() else {"full", "chunked"}
+    expected = ours | {"torch", "torch-auto", "torch-ar1", "torch-ar2", "torch-b1024"}
     assert set(rows) == expected, proc.stdout
     losses = {name: float(row[3]) for name, row in rows.items()}
     assert len(set(losses.values())) == 1, losses  # the same loss, to the 4 decimals printed
     assert rows["full"][4:] == ["1.0x", "1.00x"]
     assert float(rows["chunked"][1]) > 0  # a measured peak above the inputs
     assert "target (" in proc.stdout and "less peak memory" in proc.stdout
+    assert "torch's fastest (torch-" in proc.stdout

@@ -1,4 +1,5 @@
-"""model.loss_impl: the fused kernel, the chunked torch path and the full logits path compute the
+"""model.loss_impl: the fused kernel, the chunked torch path, torch's own F.linear_cross_entropy
+(model.loss_impl=torch, the baseline of `python -m kernels.bench ce`) and the full logits path compute the
 same loss and gradients for every preset (bos_shift, tied and untied embeddings, the unembedding
 bias), `model(ids)` still gives logits, and `auto` picks what it says.
 
@@ -61,14 +62,14 @@ def _assert_same(got, want, what: str, rtol: float = 1e-5) -> None:
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_loss_impl_equals_the_full_path(preset: str) -> None:
-    models = _models(preset, SMALL, ("full", "chunked", "fused"))
+    models = _models(preset, SMALL, ("full", "chunked", "fused", "torch"))
     gen = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, 37, (3, 17), generator=gen).to(DEVICE)
     weights = torch.rand(3, 17, generator=gen)
     weights[1] = 0.0  # a whole sequence of weight 0
     weights = weights.to(DEVICE)
     want = _loss_and_grads(models["full"], tokens, weights)
-    for impl in ("chunked", "fused"):
+    for impl in ("chunked", "fused", "torch"):
         _assert_same(_loss_and_grads(models[impl], tokens, weights), want, f"{preset} {impl}")
     # the logits are the same function for every setting (generation and evaluation read them)
     for impl in ("chunked", "fused"):
@@ -105,11 +106,17 @@ def test_auto_picks_fused_where_triton_runs_and_chunked_elsewhere() -> None:
     assert ops.loss_implementation(cpu, "auto", "torch") == "chunked"
     assert ops.loss_implementation(cpu, "auto", "triton") == "fused"
     assert ops.loss_implementation(cpu.double(), "auto", "triton") == "chunked"  # the kernel has no fp64
-    for impl in ("fused", "chunked", "full"):
+    for impl in ("fused", "chunked", "torch", "full"):
         assert ops.loss_implementation(cpu, impl, "torch") == impl
     if torch.cuda.is_available():
         assert ops.loss_implementation(cpu.cuda(), "auto", "auto") == "fused"
-    assert compose([]).model.loss_impl == "auto" and LOSS_IMPLS == ("auto", "fused", "chunked", "full")
+    assert compose([]).model.loss_impl == "auto" and LOSS_IMPLS == (
+        "auto",
+        "fused",
+        "chunked",
+        "torch",
+        "full",
+    )
 
 
 def test_bad_loss_impl_fails_at_composition_naming_the_key() -> None:
