@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmsys.core.choices import COMPILE_CHOICES, DTYPE_NAMES
-from lmsys.core.console import is_reporting_rank, report_error
+from lmsys.core.console import is_reporting_rank, report_error, set_command
 from lmsys.core.errors import LmsysError, UsageError
 
 
@@ -138,6 +138,7 @@ TOKENIZER_OPTION = Option(
 
 def run_cli(prog: str, body: Callable[[], int], interrupted: str = "interrupted") -> int:
     """Run a command's body and return its exit status (see the module docstring)."""
+    set_command(prog)
     try:
         return body()
     except LmsysError as exc:

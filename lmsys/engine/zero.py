@@ -55,6 +55,7 @@ from torch.utils.checkpoint import checkpoint
 from lmsys.core.config import Config, OptimConfig, compile_choice
 from lmsys.core.errors import CheckpointError
 from lmsys.core.runtime import BatchPlan
+from lmsys.engine.quiet import quiet_overflow, without_build_lines
 from lmsys.model.compiling import compile_blocks, compile_module, wants_compile
 
 # ----------------------------------------------------------------------------- the process group
@@ -74,6 +75,7 @@ def quiet_deepspeed() -> None:
         from deepspeed.utils import logger as ds_logger  # deepspeed late: see the module docstring
 
         ds_logger.setLevel(logging.WARNING)
+        quiet_overflow(ds_logger)  # lmsys warns of a skipped step itself
     except Exception:  # pragma: no cover - older layouts
         pass
 
@@ -118,7 +120,10 @@ def init_distributed(device: torch.device, timeout_s: float) -> None:
             world_size=int(os.environ["WORLD_SIZE"]),
             timeout=timeout,
         )
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False, timeout=timeout)
+    with without_build_lines():  # DeepSpeed prints its CPU collectives op's build on every rank
+        deepspeed.init_distributed(
+            dist_backend=backend, auto_mpi_discovery=False, verbose=False, timeout=timeout
+        )
 
 
 def close_distributed() -> None:
