@@ -35,6 +35,8 @@ launcher go to every worker, which finishes its optimizer step, saves a checkpoi
 exits (lmsys/training/stopping.py); the workers get --shutdown-timeout seconds (default 300,
 $SHUTDOWN_TIMEOUT) before torchrun kills them. A repeated SIGTERM or SIGUSR1 does not cut that
 short; a second Ctrl-C does (the checkpoint being written is abandoned, never left half-visible).
+The workers' stop line names this launcher's command line (LMSYS_LAUNCH_COMMAND) as the one that
+continues the run, with trainer.run_dir set.
 
 Workers get OMP_NUM_THREADS = cores / processes unless it is set. Exit status: 0; 2 for bad
 arguments or environment; 3 when the rendezvous fails (endpoint silent, nodes missing); 75

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmsys.core.choices import COMPILE_CHOICES, DTYPE_NAMES
-from lmsys.core.console import is_reporting_rank, report_error
+from lmsys.core.console import is_reporting_rank, report_error, set_command
 from lmsys.core.errors import LmsysError, UsageError
 
 
@@ -141,6 +141,7 @@ MODEL_LOADING_OPTIONS = [COMPILE_OPTION, DEVICE_OPTION, DTYPE_OPTION, TOKENIZER_
 
 def run_cli(prog: str, body: Callable[[], int], interrupted: str = "interrupted") -> int:
     """Run a command's body and return its exit status (see the module docstring)."""
+    set_command(prog)
     try:
         return body()
     except LmsysError as exc:

@@ -16,20 +16,24 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from lmsys.cli import flag_as_override, run_cli
 from lmsys.core.config import CONF_DIR, compose, config_to_dict, flatten_dict, to_config
-from lmsys.core.console import report_error
-from lmsys.core.errors import LmsysError, Stopped
+from lmsys.core.console import one_line, report_error
+from lmsys.core.errors import EXIT_REQUEUE, LmsysError, Stopped
 from lmsys.engine import zero as eng
 from lmsys.sweep.multirun import (
     check_multirun,
     in_multirun,
     job_header,
     multirun_defaults,
+    record_job,
+    runs_in_process,
     shared_sweep_dir,
 )
 from lmsys.train_help import usage
@@ -54,15 +58,30 @@ def _hydra_task(dcfg: DictConfig) -> None:
     header = job_header(dcfg)
     if header and os.environ.get("RANK", "0") == "0":
         print(f"{PROG}: {header}", flush=True)
+    started = time.perf_counter()
     try:
         train(to_config(dcfg))
     except Stopped as stop:
+        if in_multirun():
+            status = "preempted" if stop.exit_code == EXIT_REQUEUE else "interrupted"
+            record_job(status, stop.exit_code, time.perf_counter() - started)
         sys.exit(stop.exit_code)  # SystemExit passes through Hydra: the sweep stops here, to be resumed
     except LmsysError as exc:
-        report_error(PROG, exc)
-        if in_multirun():
-            raise  # the job fails and Hydra goes on with the others, reporting it at the end
-        sys.exit(exc.exit_code)
+        if not in_multirun():
+            report_error(PROG, exc)
+            sys.exit(exc.exit_code)
+        number = HydraConfig.get().job.num
+        report_error(PROG, LmsysError(f"sweep job {number} failed (exit {exc.exit_code}): {exc}"))
+        record_job("failed", exc.exit_code, time.perf_counter() - started, one_line(exc))
+        if not runs_in_process():
+            raise  # a remote job: its launcher learns of the failure from the exception
+        FAILED_JOBS.append((number, exc.exit_code))  # the sweep goes on; main() exits with the first
+        return
+    if in_multirun():
+        record_job("completed", 0, time.perf_counter() - started)
+
+
+FAILED_JOBS: list[tuple[int, int]] = []  # (job number, exit status) of this process's failed sweep jobs
 
 
 def die_with_launcher() -> None:
@@ -131,6 +150,15 @@ def main(argv: list[str] | None = None) -> int:
         argv = shared_sweep_dir(argv)  # under torchrun: one sweep directory for all ranks
     sys.argv = [sys.argv[0] if sys.argv else PROG, *argv]
     _hydra_task()
+    if FAILED_JOBS:  # each said why in its line; the summary marks them
+        numbers = ", ".join(str(n) for n, _ in FAILED_JOBS)
+        report_error(
+            PROG,
+            LmsysError(
+                f"{len(FAILED_JOBS)} sweep job(s) failed: job {numbers} (above; the summary marks them)"
+            ),
+        )
+        return FAILED_JOBS[0][1]
     return 0
 
 

@@ -29,6 +29,19 @@ def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+_COMMAND = ["lmsys"]  # the running command's name (lmsys.cli.run_cli sets it), for library warnings
+
+
+def set_command(prog: str) -> None:
+    _COMMAND[0] = prog
+
+
+def command() -> str:
+    """The name of the command this process runs (`lmsys-train`, ...): the prefix of a warning
+    from library code, so every line of a command starts the same way."""
+    return _COMMAND[0]
+
+
 def is_reporting_rank() -> bool:
     """Rank 0 reports; the other ranks of a job fail with the same status, silently."""
     return os.environ.get("RANK", "0") == "0"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -204,3 +205,49 @@ def resume_batch_plan(cfg: Config, world_size: int, step: int) -> BatchPlan:
         f"does not split into micro-batches of {micro} on {world_size} ranks; "
         f"{', or '.join(fits) or 'change the world size'} (a resumed run keeps trainer.global_batch_tokens)"
     )
+
+
+# ----------------------------------------------------------------------------- CPU oversubscription
+
+
+def _other_training_processes(ppid: int) -> int:
+    """lmsys training processes on this machine outside this job (not this process, not its
+    torchrun siblings, which share its parent): Linux's /proc, 0 elsewhere."""
+    count = 0
+    for entry in Path("/proc").glob("[0-9]*"):
+        if int(entry.name) in (os.getpid(), ppid):
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone, or not ours to read
+            continue
+        if b"lmsys.train" not in cmdline and b"lmsys-train" not in cmdline:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])  # field 4 of /proc/<pid>/stat
+        if parent != ppid:
+            count += 1
+    return count
+
+
+def oversubscription(device: torch.device) -> str | None:
+    """A warning when this machine's cores are oversubscribed on CPU: this job's local processes
+    x torch threads, plus other lmsys training processes running here (one thread each at least),
+    more than the cores. Two runs that each use every core run many times slower than one."""
+    if device.type != "cpu":
+        return None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    threads = torch.get_num_threads()
+    others = _other_training_processes(os.getppid())
+    if local * threads + others <= cores:
+        return None
+    mine = f"{local} process(es) x {threads} torch threads"
+    also = f" beside {others} other lmsys training process(es)" if others else ""
+    fix = (
+        f"set OMP_NUM_THREADS={max(1, cores // (local + others))}" if local * threads > 1 else "wait for them"
+    )
+    return f"{mine}{also} on {cores} cores: steps will be many times slower; {fix}"

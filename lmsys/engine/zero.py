@@ -56,6 +56,7 @@ from lmsys.core.config import Config, OptimConfig, compile_choice
 from lmsys.core.errors import CheckpointError
 from lmsys.core.runtime import BatchPlan
 from lmsys.engine.muon import build_muon
+from lmsys.engine.quiet import quiet_overflow, without_build_lines
 from lmsys.model.compiling import compile_blocks, compile_module, wants_compile
 
 # ----------------------------------------------------------------------------- the process group
@@ -67,27 +68,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class _NoOverflowNotice(logging.Filter):
-    """DeepSpeed's "OVERFLOW! Skipping step" would double the trainer's own report of a step with a
-    non-finite gradient (lmsys.training.health)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "OVERFLOW!" not in record.getMessage()
-
-
-OVERFLOW_FILTER = _NoOverflowNotice()
-
-
 def quiet_deepspeed() -> None:
     """DeepSpeed logs its whole configuration and every bucket size at INFO; keep warnings only."""
     for name in ("DeepSpeed", "deepspeed"):
         logging.getLogger(name).setLevel(logging.WARNING)
-        logging.getLogger(name).addFilter(OVERFLOW_FILTER)
+        quiet_overflow(logging.getLogger(name))  # lmsys reports a skipped step itself
     try:
         from deepspeed.utils import logger as ds_logger  # deepspeed late: see the module docstring
 
         ds_logger.setLevel(logging.WARNING)
-        ds_logger.addFilter(OVERFLOW_FILTER)  # adding the same filter again is a no-op
+        quiet_overflow(ds_logger)
     except Exception:  # pragma: no cover - older layouts
         pass
 
@@ -132,7 +122,10 @@ def init_distributed(device: torch.device, timeout_s: float) -> None:
             world_size=int(os.environ["WORLD_SIZE"]),
             timeout=timeout,
         )
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False, timeout=timeout)
+    with without_build_lines():  # DeepSpeed prints its CPU collectives op's build on every rank
+        deepspeed.init_distributed(
+            dist_backend=backend, auto_mpi_discovery=False, verbose=False, timeout=timeout
+        )
 
 
 def close_distributed() -> None:

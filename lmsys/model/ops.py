@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.reference import add_layer_norm_reference, chunked_linear_cross_entropy, layer_norm_reference
-from lmsys.core.console import warn
+from lmsys.core.console import command, warn
 from lmsys.core.errors import ConfigError
 
 # Values of TRITON_INTERPRET that triton reads as "on" (triton.knobs' boolean parsing).
@@ -72,7 +72,7 @@ def prepare_kernels(kernels: str, device: torch.device | str, dtype: torch.dtype
     on_cuda = torch.device(device).type == "cuda"
     if on_cuda and kernels != "torch" and os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUTHY:
         warn(
-            "lmsys",
+            command(),
             "TRITON_INTERPRET is set: the Triton kernels run in the Python interpreter, thousands of "
             "times slower than compiled; unset it on a GPU machine",
         )
@@ -100,7 +100,7 @@ def prepare_kernels(kernels: str, device: torch.device | str, dtype: torch.dtype
 @functools.cache  # once per process and device: lmsys-eval run= prepares every checkpoint
 def _warn_interpreted(device: str) -> None:
     warn(
-        "lmsys",
+        command(),
         f"model.kernels=triton on {device} runs the Triton kernels in their CPU interpreter, a "
         "correctness mode about a thousand times slower than torch (minutes per training step even "
         "for the tiny model); model.kernels=auto uses torch ops on the CPU",
@@ -364,7 +364,7 @@ def prepare_interpreted_loss(h: torch.Tensor, kernels: str) -> None:
 @functools.cache  # once per process and device
 def _warn_interpreted_loss(device: str) -> None:
     warn(
-        "lmsys",
+        command(),
         f"model.loss_impl=fused on {device} runs the Triton kernel in its CPU interpreter, a correctness "
         "mode far slower than torch; model.loss_impl=auto uses the chunked torch path on the CPU",
     )

@@ -20,6 +20,7 @@ No torch at import: launch/sweep.py and `lmsys-train -m` report a mistake before
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Sequence
@@ -39,6 +40,7 @@ from lmsys.core.errors import ConfigError, DataError
 
 SWEEP_FILE = "sweep.json"
 MULTIRUN_FILE = "multirun.yaml"  # what Hydra writes into a multirun's sweep directory
+JOBS_FILE = "jobs.jsonl"  # `lmsys-train -m`: each job's outcome, a line per job as it ends
 
 
 # ----------------------------------------------------------------------------- sweep expansion
@@ -209,6 +211,29 @@ def job_header(cfg: Any) -> str | None:
     hc = HydraConfig.get()
     overrides = " ".join(hc.overrides.task) or "(no overrides)"
     return f"sweep job {hc.job.num}: {overrides} -> {cfg.trainer.run_dir}"
+
+
+def runs_in_process() -> bool:
+    """Whether this multirun's jobs run in this process, one after the other (Hydra's basic
+    launcher): a failed job can then be reported here in one line and the sweep go on; a remote
+    launcher (submitit) learns of a failure only from the exception."""
+    target = str(HydraConfig.get().launcher.get("_target_", ""))
+    return target.endswith("BasicLauncher")
+
+
+def record_job(status: str, returncode: int, seconds: float, error: str | None = None) -> None:
+    """Append this multirun job's outcome to <sweep dir>/jobs.jsonl (rank 0; the summary reads it:
+    status, exit code, wall time)."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    hc = HydraConfig.get()
+    entry = {"num": hc.job.num, "status": status, "returncode": returncode, "seconds": round(seconds, 1)}
+    if error is not None:
+        entry["error"] = error
+    path = Path(hc.sweep.dir) / JOBS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(entry) + "\n")
 
 
 SWEEP_DIR_KEY = "lmsys/sweep_dir"  # in torchrun's store: the sweep directory the ranks agreed on

@@ -41,8 +41,15 @@ from hydra.experimental.callback import Callback
 from lmsys.core.config import compose, config_to_dict, flatten_dict
 from lmsys.core.console import warn
 from lmsys.core.errors import ConfigError
-from lmsys.engine.rundir import CONFIG_FILE, METRICS_FILE, read_config, read_metrics
-from lmsys.sweep.multirun import MULTIRUN_FILE, SWEEP_FILE, expand_sweep, is_hydra_override, sweep_name
+from lmsys.engine.rundir import CONFIG_FILE, METRICS_FILE, read_config, read_jsonl, read_metrics
+from lmsys.sweep.multirun import (
+    JOBS_FILE,
+    MULTIRUN_FILE,
+    SWEEP_FILE,
+    expand_sweep,
+    is_hydra_override,
+    sweep_name,
+)
 from lmsys.sweep.stats import Group, Paired, Spread, group_jobs, paired_against
 from lmsys.training.plots import plot_sweep, plot_sweep_groups
 
@@ -83,7 +90,7 @@ class Job:
 
     @property
     def status(self) -> str:
-        if self.launcher_status in ("failed", "interrupted"):
+        if self.launcher_status in ("failed", "interrupted", "preempted"):
             code = f" ({self.returncode})" if self.returncode not in (None, 0) else ""
             return f"{self.launcher_status}{code}"
         if self.launcher_status == "pending":
@@ -112,6 +119,10 @@ def _load_job(job: Job) -> Job:
         try:
             job.config = flatten_dict(
                 config_to_dict(compose([o for o in job.overrides if not is_hydra_override(o)]))
+            )
+            # as a run's config.yaml records it (the cosine's horizon), or it would show as a difference
+            job.config["optim.decay_steps"] = job.config.get("optim.decay_steps") or job.config.get(
+                "trainer.max_steps"
             )
         except ConfigError:
             job.config = {}
@@ -155,6 +166,12 @@ def _multirun_jobs(root: Path) -> list[Job]:
     jobs = [Job(name=str(i), run_dir=root / str(i), overrides=job) for i, job in enumerate(expanded)]
     if subdir not in (".", "") or not any(job.run_dir.is_dir() for job in jobs):
         return []  # job directories elsewhere (a custom subdir, trainer.run_dir given): scan instead
+    outcomes = {r.get("num"): r for r in read_jsonl(root / JOBS_FILE)}  # a rerun's line wins
+    for i, job in enumerate(jobs):
+        if i in outcomes:
+            job.launcher_status = outcomes[i].get("status")
+            job.returncode = outcomes[i].get("returncode")
+            job.seconds = outcomes[i].get("seconds")
     return jobs
 
 

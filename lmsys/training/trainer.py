@@ -36,12 +36,13 @@ from omegaconf import OmegaConf
 from lmsys.core.config import Config, config_to_dict
 from lmsys.core.console import Console, StepReport, warn
 from lmsys.core.errors import EXIT_INTERRUPTED, EXIT_REQUEUE, Stopped, TrainingError
-from lmsys.core.runtime import DTYPES, Setup, batch_plan, env_dist_info, seed_everything
+from lmsys.core.runtime import DTYPES, Setup, batch_plan, env_dist_info, oversubscription, seed_everything
 from lmsys.data.loader import Batch, TokenLoader
 from lmsys.data.shards import PreparedData
 from lmsys.engine import checkpoint as ckpt
 from lmsys.engine import rundir
 from lmsys.engine import zero as eng
+from lmsys.engine.quiet import ops_to_build
 from lmsys.interop.exports import initial_model
 from lmsys.model.compiling import compile_errors, compile_stats, compile_summary, say_compiled
 from lmsys.model.selfcheck import check_kernels, settle
@@ -594,13 +595,22 @@ def train(cfg: Config, step_hook: Callable[[int], None] | None = None) -> Path:
         assert data is not None
         rank = int(os.environ.get("RANK", "0"))  # torchrun's; the process group forms below
         console = Console(PROG, rank, cfg.trainer.progress, cfg.logger.console_interval)
+        cuda = torch.cuda.is_available() and cfg.trainer.device != "cpu"
+        builds = " (this first run on the machine builds DeepSpeed's ops: a minute or two)"
         console.say(
-            f"{PROG}: starting: process group, model, DeepSpeed engine (a first run on a machine also "
-            "builds DeepSpeed's ops: a minute or two)"
+            f"{PROG}: starting: process group, model, DeepSpeed engine"
+            + (
+                builds
+                if ops_to_build(torch.device("cuda" if cuda else "cpu"), cfg.deepspeed.offload_optimizer)
+                else ""
+            )
         )
         device, precision = start_processes(cfg)
         rank, world = dist.get_rank(), dist.get_world_size()
         run = agree_on_run(cfg, rank, world, data.tokenizer_sha256, console)  # a resume's batch check first
+        crowded = oversubscription(device)
+        if crowded:
+            console.warn(crowded)
         setup = Setup(device, precision, rank, world, batch_plan(cfg, world))
         trainer = Trainer(cfg, setup, data, run, console, checked.memory)
         trainer.stop = stop

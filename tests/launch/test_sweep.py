@@ -283,8 +283,8 @@ def test_launch_sweep_runs_each_job_as_a_two_process_torchrun(tiny, one_node, tm
 def test_lmsys_train_multirun_gives_each_job_its_run_dir_and_group(tiny, tmp_path):
     """`lmsys-train -m`: Hydra's BasicLauncher runs the jobs in this one process, one after the
     other; each lands in <hydra.sweep.dir>/<job number> in the sweep's W&B group. Jobs 1 and 3
-    fail (no such checkpoint): the others still run, the exit status is 1, and the summary at the
-    end lists all four."""
+    fail (no such checkpoint), each in one line: the others still run, the exit status is the
+    failed jobs' (2), and the summary at the end lists all four."""
     sweep_dir = tmp_path / "sweep-inprocess"
     command = [
         sys.executable,
@@ -301,8 +301,11 @@ def test_lmsys_train_multirun_gives_each_job_its_run_dir_and_group(tiny, tmp_pat
         f"hydra.sweep.dir={sweep_dir}",
     ]
     proc = run(command, timeout=400)
-    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "trainer.resume=/nonexistent/step_0000001 is not a checkpoint directory" in proc.stderr
+    assert proc.returncode == 2, proc.stdout[-4000:] + proc.stderr[-4000:]  # the first failed job's
+    assert (
+        "sweep job 1 failed (exit 2): trainer.resume=/nonexistent/step_0000001 is not a checkpoint"
+        in proc.stderr
+    )
     for num in (0, 2):
         run_dir = sweep_dir / str(num)
         assert_trained(run_dir, world_size=1, proc=proc)
@@ -311,11 +314,14 @@ def test_lmsys_train_multirun_gives_each_job_its_run_dir_and_group(tiny, tmp_pat
     assert not (sweep_dir / "1").exists() and not (sweep_dir / "3").exists()
     assert "lmsys-sweep: 4 job(s)" in proc.stdout
     rows = {line.split()[0]: line for line in proc.stdout.splitlines() if line[:1].isdigit()}
-    assert rows["1"].endswith("failed or not run") and "/nonexistent" in rows["1"]
+    assert rows["1"].endswith("failed (2)") and "/nonexistent" in rows["1"]
+    assert "Error executing job" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert rows["2"].endswith("completed") and "0.0010" in rows["2"]
     with open(sweep_dir / "summary.csv", newline="") as handle:
         table = list(csv.DictReader(handle))
-    assert [r["status"] for r in table] == ["completed", "failed or not run"] * 2
+    assert [r["status"] for r in table] == ["completed", "failed (2)"] * 2
+    assert "optim.decay_steps" not in table[0]  # a failed job's composed config differs in nothing else
+    assert all(float(r["wall_seconds"]) > 0 for r in table)
     assert (sweep_dir / "losses.png").read_bytes()[:4] == b"\x89PNG"
 
 
