@@ -538,6 +538,7 @@ def provenance(ckpt: Checkpoint) -> dict[str, Any]:
     info: dict[str, Any] = {
         "step": state.step,
         "tokens_seen": state.tokens_seen,
+        "trained_seq_len": (state.config.get("data") or {}).get("seq_len"),  # lmsys.inference.lengths
         "train_loss": state.last_loss,
         "val_loss": None,
         "val_step": None,
