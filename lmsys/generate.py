@@ -129,6 +129,8 @@ def read_prompts(opts: dict) -> list[str]:
             lines = path.read_text(encoding="utf-8").splitlines()
         except UnicodeDecodeError as exc:
             raise UsageError(f"prompts={path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        if not lines:
+            raise UsageError(f"prompts={path} is empty: write one prompt per line (or give prompt=TEXT)")
         for n, line in enumerate(lines, 1):
             if not line:
                 raise GenerationError(f"prompts={path}: line {n} is empty; every line must be a prompt")

@@ -464,6 +464,15 @@ def _function_dict(cfg: ModelConfig) -> dict[str, Any]:
     return data
 
 
+_BLOCKS = {"pre": "pre-LN", "post": "post-LN", "parallel": "parallel blocks", "none": "no norm"}
+
+
+def architecture(cfg: ModelConfig) -> str:
+    """`tiny (pre-LN, 2 layers, d_model 32, 2 heads)`: a model's preset and shape, in words."""
+    block = _BLOCKS.get(cfg.block, f"block={cfg.block}")
+    return f"{cfg.name} ({block}, {cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} heads)"
+
+
 def initial_model(directory: str | os.PathLike, cfg: ModelConfig, data_tokenizer_sha256: str) -> Transformer:
     """The model a run with `model.init_from=directory` starts from: the export's weights in a
     Transformer of the run's config `cfg` (in training mode). Refused with one line when the
@@ -481,6 +490,11 @@ def initial_model(directory: str | os.PathLike, cfg: ModelConfig, data_tokenizer
         model_config_dict(exported.cfg), model_config_dict(cfg), "export", _INIT_FROM_IGNORED
     )
     if shown and model_differences(_function_dict(exported.cfg), _function_dict(cfg), "", _INIT_FROM_IGNORED):
+        if " more" in shown:  # many settings differ: another architecture, said by its presets
+            shown = (
+                f"the export is {architecture(exported.cfg)}, the run is {architecture(cfg)}; choose "
+                f"model={exported.cfg.name} (with the export's sizes) or an export of this architecture"
+            )
         raise ConfigError(f"model.init_from={directory}: the run's model differs from the export's: {shown}")
     if tok.sha256 != data_tokenizer_sha256:
         raise DataError(

@@ -346,7 +346,7 @@ class Trainer:
             raise TrainingError(
                 f"loss was NaN/inf at {state.nan_skips} steps, more than trainer.max_nan_skips="
                 f"{t.max_nan_skips}; stopping at step {result.step} (lower optim.lr or raise "
-                f"optim.warmup_steps; checkpoints in {self.run_dir / rundir.CHECKPOINTS})"
+                f"optim.warmup_steps; {ckpt.newest_saved(self.run_dir, t.save_interval)})"
             )
 
     def _write_engine_stats(self) -> None:
