@@ -28,6 +28,7 @@ from typing import Any
 from lmsys.core.choices import COMPILE_CHOICES, DTYPE_NAMES
 from lmsys.core.console import is_reporting_rank, report_error, set_command
 from lmsys.core.errors import LmsysError, UsageError
+from lmsys.core.files import os_error_line
 
 
 @dataclass
@@ -148,7 +149,7 @@ def run_cli(prog: str, body: Callable[[], int], interrupted: str = "interrupted"
         report_error(prog, exc)
         return exc.exit_code
     except OSError as exc:  # the machine refused (disk full, permissions): still one line
-        report_error(prog, exc)
+        report_error(prog, LmsysError(os_error_line(exc)))
         return 2
     except KeyboardInterrupt:
         if is_reporting_rank():

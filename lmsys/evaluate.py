@@ -40,6 +40,7 @@ from lmsys.core.runtime import resolve_device, resolve_dtype
 from lmsys.engine.checkpoint import list_checkpoints, resolve
 from lmsys.engine.rundir import CHECKPOINTS, EVAL_PLOT_FILE
 from lmsys.inference.evaluation import EvalError, EvalResult, evaluate_source, pick_source
+from lmsys.inference.lengths import choose_window
 from lmsys.interop.exports import load_model
 from lmsys.model.compiling import compiled_for_cli
 from lmsys.model.ops import prepare_kernels
@@ -55,7 +56,7 @@ OPTIONS = [
     Option("text", "str", None, "UTF-8 text file to evaluate on"),
     Option("data", "str", None, "prepared data directory (lmsys-prepare) to evaluate on"),
     Option("split", "choice", "val", "split of data=", ("val", "train")),
-    Option("seq_len", "int", None, "window length in tokens (default: model.max_seq_len)"),
+    Option("seq_len", "int", None, "window in tokens (default: the trained length, else max_seq_len)"),
     Option("batch_size", "int", 8, "windows per forward"),
     Option("max_tokens", "int", None, "evaluate only the first N tokens"),
     Option("plot", "str", None, "PNG for run= (default: <run>/eval.png)"),
@@ -92,9 +93,10 @@ def _evaluate_model(opts: dict, device: torch.device, dtype: torch.dtype) -> Non
     model, tok, meta = load_model(path, device, dtype, opts["tokenizer"], warn=lambda m: warn(PROG, m))
     prepare_kernels(model.cfg.kernels, device, next(model.parameters()).dtype)
     source = pick_source(opts, meta.get("train_config"))
+    opts = {**opts, "seq_len": choose_window(opts["seq_len"], model.cfg, meta, lambda m: warn(PROG, m))}
     with _compiling(opts, device) as compile_model:
         result = evaluate_source(model, tok, source, opts, full_batches=compile_model(model))
-    print(f"{PROG}: {path} on {source.label}")
+    print(f"{PROG}: {path} on {source.label}, windows of {opts['seq_len']} tokens")
     print(f"{PROG}: {_summary_line(result)}")
     if opts["json"]:
         report = {"model": str(path), "source": source.label, **result.as_dict()}
@@ -112,8 +114,11 @@ def _evaluate_run(opts: dict, device: torch.device, dtype: torch.dtype) -> None:
         raise EvalError(f"{run} holds no checkpoints (no {CHECKPOINTS}/step_* directories)")
     newest = resolve(run, check_hashes=False)
     source = pick_source(opts, newest.state.config)
+    meta = {"train_config": newest.state.config}
+    cfg = newest.state.model_config(newest.tag_dir)
+    opts = {**opts, "seq_len": choose_window(opts["seq_len"], cfg, meta, lambda m: warn(PROG, m))}
     rows = []
-    print(f"{PROG}: {run}: {len(tags)} checkpoint(s) on {source.label}")
+    print(f"{PROG}: {run}: {len(tags)} checkpoint(s) on {source.label}, windows of {opts['seq_len']} tokens")
     print(f"{'step':>9} {'tokens':>10} {'loss':>9} {'ppl':>10} {'bits/byte':>10}  checkpoint")
     with _compiling(opts, device) as compile_model:  # every checkpoint's model: one graph serves all
         for tag_dir in tags:

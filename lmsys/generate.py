@@ -39,6 +39,7 @@ from lmsys.inference.generation import (
     generate_one,
     prompt_ids,
 )
+from lmsys.inference.lengths import choose_window
 from lmsys.interop.exports import load_model
 from lmsys.model.compiling import compiled_for_cli
 from lmsys.model.ops import prepare_kernels
@@ -91,6 +92,7 @@ OPTIONS = [
     Option("seed", "int", 1234, "random seed of the sampler (none: a fresh one)"),
     Option("cache", "bool", True, "use the KV cache"),
     Option("batch_size", "int", 8, "prompts generated together, as one padded batch"),
+    Option("seq_len", "int", None, "context window (default: the trained length, else max_seq_len)"),
     Option("on_long_prompt", "choice", "error", "a prompt longer than model.max_seq_len", LONG_PROMPT),
     Option("stream", "bool", True, "print tokens as they come (single prompt)"),
     Option("echo", "bool", True, "print the prompt before its continuation"),
@@ -116,6 +118,8 @@ def read_prompts(opts: dict) -> list[str]:
             lines = path.read_text(encoding="utf-8").splitlines()
         except UnicodeDecodeError as exc:
             raise UsageError(f"prompts={path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        if not lines:
+            raise UsageError(f"prompts={path} is empty: write one prompt per line (or give prompt=TEXT)")
         for n, line in enumerate(lines, 1):
             if not line:
                 raise GenerationError(f"prompts={path}: line {n} is empty; every line must be a prompt")
@@ -193,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                 label = "the prompt" if len(texts) == 1 else f"prompt {i + 1}"
                 raise GenerationError(f"{label} is empty: give at least one character of text to continue")
         device = resolve_device(opts["device"])
-        model, tok, _ = load_model(
+        model, tok, meta = load_model(
             opts["model"], device, resolve_dtype(opts["dtype"]), opts["tokenizer"], warn=warn
         )
         prepare_kernels(model.cfg.kernels, device, next(model.parameters()).dtype)
@@ -201,14 +205,16 @@ def main(argv: list[str] | None = None) -> int:
         if use_cache and not cache_supported(model.cfg):
             warn("this model's attention is not causal row-softmax; generating without a KV cache")
             use_cache = False
+        window = choose_window(opts["seq_len"], model.cfg, meta, warn)
+        if not 1 <= window <= model.cfg.max_seq_len:
+            raise UsageError(f"seq_len={window} must be in [1, {model.cfg.max_seq_len}] (model.max_seq_len)")
         # Every prompt is checked before anything is generated: a bad one fails the whole call.
         planned = []
         for i, text in enumerate(texts):
             label = "the prompt" if len(texts) == 1 else f"prompt {i + 1}"
             ids = prompt_ids(tok, text, opts["start_of_document"])
-            planned.append(
-                fit_prompt(ids, model.cfg, opts["max_new_tokens"], opts["on_long_prompt"], warn, label)
-            )
+            new = opts["max_new_tokens"]
+            planned.append(fit_prompt(ids, model.cfg, new, opts["on_long_prompt"], warn, label, window))
         with compiled_for_cli(opts["compile"], device, PROG, "generation", warn) as compile_model:
             static = compile_model(model)  # a compiled model decodes through a StaticKVCache
             _generate_and_print(model, tok, texts, planned, sampling, use_cache, static, opts)

@@ -11,6 +11,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Iterator
@@ -74,6 +75,26 @@ def sibling(path: Path, label: str) -> Path:
     directory being written or an old one being moved aside: whatever a kill leaves under such a
     name is leftover work, which the writers clean up."""
     return path.with_name(f"{TMP_PREFIX}{path.name}.{label}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def destination_of(path: str | os.PathLike) -> Path:
+    """The path the user named, for a temporary sibling of it (`.tmp-<name>.<label>-<pid>-<hex>`
+    -> `<name>`); any other path as it is."""
+    path = Path(path)
+    match = re.fullmatch(re.escape(TMP_PREFIX) + r"(.+)\.[a-z]+-\d+-[0-9a-f]{8}", path.name)
+    return path.with_name(match.group(1)) if match else path
+
+
+def os_error_line(exc: OSError) -> str:
+    """One line for an OSError a command could not avoid (permissions, a read-only filesystem):
+    the path the user named (never a temporary name) and the reason in words."""
+    reason = (exc.strerror or type(exc).__name__).lower()
+    if exc.filename is None:
+        return " ".join(str(exc).split())
+    path = destination_of(os.fsdecode(exc.filename))
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"cannot write {path}: {reason} in {path.parent}; choose a place you can write to"
+    return f"{path}: {reason}"
 
 
 def install_dir(tmp: Path, out: Path) -> None:

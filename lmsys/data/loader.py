@@ -55,6 +55,20 @@ class Batch:
     weights: torch.Tensor  # (B, S) float32: weights[b, s] weighs the prediction of tokens[b, s]
 
 
+# What each setting of a loader's saved state comes from, and how a resume gets it back.
+_RESUME_HINTS = {
+    "version": "resume with the lmsys version that saved it",
+    "split": "resume on the split it was saved on",
+    "seed": "set trainer.seed as the run had it (its config.yaml)",
+    "num_samples": "the train split holds another number of sequences (data.dir or data.seq_len "
+    "changed): set them as the run had them (its config.yaml)",
+    "tokens_per_sample": "set data.seq_len as the run had it (its config.yaml)",
+    "global_batch_size": "it is the sequences per step, trainer.global_batch_tokens / data.seq_len: "
+    "set trainer.global_batch_tokens as the run had it (its config.yaml)",
+    "tokenizer_sha256": "data.dir was prepared with another tokenizer: use the run's data.dir",
+}
+
+
 class TokenLoader:
     """Micro-batches of one rank for training (`next_batch`) and validation (`val_batches`)."""
 
@@ -262,7 +276,8 @@ class TokenLoader:
             if state.get(key) != mine[key]:
                 raise DataError(
                     f"cannot resume the loader: its saved {key} is {state.get(key)!r}, "
-                    f"this run has {mine[key]!r}"
+                    f"this run has {mine[key]!r}; {_RESUME_HINTS[key]}, or start a new run in "
+                    "another trainer.run_dir"
                 )
         micro = int(state.get("micro", 0))
         if micro:  # mid-step: only this rank's own cut of the step continues where it stopped

@@ -66,7 +66,7 @@ from lmsys.core.files import (
 )
 from lmsys.data.tokenizer import TOKENIZER_FILES
 from lmsys.engine.reshard import load_resharded
-from lmsys.engine.rundir import CHECKPOINTS, read_metrics, run_dir_of
+from lmsys.engine.rundir import CHECKPOINTS, CONFIG_FILE, RUN_FILE, read_metrics, run_dir_of
 from lmsys.engine.zero import consolidated_state_dict, safe_torch_load
 from lmsys.model.weights import model_state_dict
 
@@ -382,6 +382,14 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+def newest_saved(run_dir: Path, save_interval: int) -> str:
+    """Where a stopped run's latest checkpoint is, for its last line (none may exist yet)."""
+    saved = list_checkpoints(run_dir / CHECKPOINTS)
+    if not saved:
+        return f"no checkpoint was saved (trainer.save_interval={save_interval})"
+    return f"the newest checkpoint is {saved[0][1]}"
+
+
 def verify(path: Path, check_hashes: bool = True) -> dict[str, Any]:
     """Return the checkpoint's marker if every file it lists is present and intact; else raise
     CheckpointError saying what is wrong."""
@@ -460,6 +468,11 @@ def resolve(
     found, passed_over = _newest_intact(p, check_hashes)
     if found is None and passed_over:
         raise CheckpointError(f"{p} holds no usable checkpoint: {passed_over[0][1]}")
+    if found is None and any((p / name).exists() for name in (RUN_FILE, CONFIG_FILE, CHECKPOINTS)):
+        raise CheckpointError(
+            f"run directory {p} has no checkpoint yet (a run saves one every trainer.save_interval "
+            "steps and when it ends or is stopped); train it further, or name a checkpoint directory"
+        )
     if found is None:
         raise CheckpointError(
             f"{p} is not a checkpoint: expected a run directory, its {CHECKPOINTS}/ directory, or a "
@@ -624,6 +637,7 @@ def provenance(ckpt: Checkpoint) -> dict[str, Any]:
     info: dict[str, Any] = {
         "step": state.step,
         "tokens_seen": state.tokens_seen,
+        "trained_seq_len": (state.config.get("data") or {}).get("seq_len"),  # lmsys.inference.lengths
         "train_loss": state.last_loss,
         "val_loss": None,
         "val_step": None,

@@ -10,12 +10,13 @@ batched matrix product may sum in another order than the same row alone), which 
 token only at a near-tie of two logits (greedy) or of a sampled CDF boundary (README,
 "Generation"). batch_size=1 generates the prompts one after another.
 
-Lengths. A model with positions sees at most model.max_seq_len tokens. A longer prompt is an
-error (on_long_prompt=error, the default) or, with on_long_prompt=truncate, is cut from the left
-with a warning to its last max(max_seq_len + 1 - max_new_tokens, max_seq_len // 2) tokens (so
-the new tokens fit where they can). The prompt plus the new tokens may reach max_seq_len + 1
-(the last token is never fed back); max_new_tokens is capped to fit, with a warning. An empty
-prompt is an error. Models with positions.kind=none have no window.
+Lengths. A model with positions sees at most model.max_seq_len tokens; lmsys-generate's window
+(seq_len) is by default the length the model was trained at (lmsys/inference/lengths.py). A
+longer prompt is an error (on_long_prompt=error, the default) or, with on_long_prompt=truncate,
+is cut from the left with a warning to its last max(max_seq_len + 1 - max_new_tokens,
+max_seq_len // 2) tokens (so the new tokens fit where they can). The prompt plus the new tokens
+may reach max_seq_len + 1 (the last token is never fed back); max_new_tokens is capped to fit,
+with a warning. An empty prompt is an error. Models with positions.kind=none have no window.
 
 The KV cache (cache=true, the default) makes each new token cost O(T) instead of re-running
 the whole prefix; cached and uncached generation give the same tokens. Models whose outputs at
@@ -136,8 +137,10 @@ def fit_prompt(
     on_long_prompt: str = "error",
     warn: Callable[[str], None] | None = None,
     label: str = "the prompt",
+    window: int | None = None,
 ) -> tuple[list[int], int]:
-    """(the ids to feed the model, the number of new tokens that fit the context window).
+    """(the ids to feed the model, the number of new tokens that fit the context window: `window`
+    tokens, lmsys-generate's seq_len, else model.max_seq_len).
 
     Models trained with bos_shift (seed 001) always saw bos_shift_id at position 0: it is
     prepended here (and counts against the window). A prompt longer than the window is refused
@@ -152,7 +155,8 @@ def fit_prompt(
     if len(ids) == 0:
         raise GenerationError(f"{label} is empty: give at least one character of text to continue")
     lead = context_prefix(cfg)
-    window = _context_window(cfg)
+    name = "model.max_seq_len" if window is None else "seq_len"
+    window = window if _context_window(cfg) is not None and window is not None else _context_window(cfg)
     if window is None:
         return [*lead, *ids], max_new_tokens
     limit = window - len(lead)  # prompt tokens the window can hold
@@ -160,11 +164,11 @@ def fit_prompt(
         if on_long_prompt == "error":
             raise GenerationError(
                 f"{label} has {len(ids)} tokens, more than the model's context window allows "
-                f"({limit} of model.max_seq_len={window}); shorten it or pass on_long_prompt=truncate"
+                f"({limit} of {name}={window}); shorten it or pass on_long_prompt=truncate"
             )
         keep = min(limit, max(limit // 2, limit + 1 - max_new_tokens, 1))
         warn(
-            f"{label} has {len(ids)} tokens, more than model.max_seq_len={window} allows; kept its last "
+            f"{label} has {len(ids)} tokens, more than {name}={window} allows; kept its last "
             f"{keep} to leave room for new tokens"
         )
         ids = list(ids[-keep:])
@@ -173,7 +177,7 @@ def fit_prompt(
     if max_new_tokens > room:
         warn(
             f"max_new_tokens={max_new_tokens} capped to {room}: {label} ({len(ids)} tokens) plus the new "
-            f"tokens cannot exceed model.max_seq_len={window} + 1"
+            f"tokens cannot exceed {name}={window} + 1"
         )
         max_new_tokens = room
     return ids, max_new_tokens

@@ -1,11 +1,12 @@
 """lm-evaluation-harness's model `lmsys` (registered when this module is imported), and running
 lm_eval tasks on an lmsys export or checkpoint (lmsys-eval harness=).
 
-model_args: path (an export directory or a training checkpoint, required), device (default:
-CUDA when there is one; a CUDA device asked for where none exists falls back to the CPU, as
-lm_eval's hf model does with the CLI's default cuda:0), dtype (fp32, bf16, fp16), batch_size
-(also --batch_size; an integer), max_length (the window, default model.max_seq_len), max_gen_toks
-(256), seed (of each sampled generation, 1234), tokenizer (for a checkpoint, as in lmsys-eval).
+model_args: path (an export directory or a training checkpoint, required), device (default: CUDA
+when there is one; a CUDA device asked for where none exists falls back to the CPU, as lm_eval's
+hf model does with the CLI's default cuda:0), dtype (fp32, bf16, fp16), batch_size (an integer;
+in --model_args it wins over --batch_size), max_length (the window, default the length the model
+was trained at, else model.max_seq_len), max_gen_toks (256), seed (of each sampled generation,
+1234), tokenizer (for a checkpoint, as in lmsys-eval).
 
 The requests are served as lm_eval's hf model serves a causal LM: contexts are encoded without
 eos (an empty context, and a document's first rolling window, start from eos, lm_eval's prefix
@@ -36,12 +37,18 @@ import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import normalize_gen_kwargs, postprocess_generated_text
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
+from lm_eval.utils import (
+    get_rolling_token_windows,
+    make_disjoint_window,
+    make_table,
+    simple_parse_args_string,
+)
 
 from lmsys.core.config import context_prefix, tokens_per_sample
 from lmsys.core.errors import UsageError
 from lmsys.core.runtime import resolve_device, resolve_dtype
 from lmsys.inference.generation import Sampling, fit_prompt, generate_batch
+from lmsys.inference.lengths import choose_window
 from lmsys.inference.scoring import loglikelihoods
 from lmsys.interop.exports import load_model
 from lmsys.model.ops import prepare_kernels
@@ -102,9 +109,22 @@ class LmsysLM(TemplateLM):
         window = cfg.max_seq_len
         if max_length is not None and not 1 <= int(max_length) <= window:
             raise HarnessError(f"max_length={max_length} must be in [1, {window}] (model.max_seq_len)")
-        self.max_length = int(max_length or window)
+        asked = int(max_length) if max_length is not None else None
+        self.max_length = choose_window(asked, cfg, self.meta, log.warning, key="max_length")
         self.max_gen_toks, self.seed = int(max_gen_toks), seed
         self.lead = context_prefix(cfg)  # what every model input starts with (bos_shift_id or nothing)
+
+    # lm_eval passes its own batch_size (the CLI's, 1 by default), max_batch_size and device beside
+    # the parsed --model_args: the same key in both would be "multiple values for keyword argument".
+    # What --model_args names wins (`--model_args path=X,batch_size=16`); lm_eval's fill the rest.
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> LmsysLM:
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict | None = None) -> LmsysLM:
+        given = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        return cls(**{**given, **arg_dict})
 
     # -- tokens ------------------------------------------------------------------------------
 
@@ -120,6 +140,7 @@ class LmsysLM(TemplateLM):
             "lmsys_model": self.path,
             "lmsys_format": self.meta.get("format"),
             "max_length": self.max_length,
+            "lmsys_batch_size": self.batch_size,  # the one used (lm_eval's config shows its CLI's)
         }
 
     def _fit(self, context: Sequence[int], continuation: Sequence[int]) -> tuple[list[int], list[int]]:

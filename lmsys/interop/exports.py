@@ -29,6 +29,7 @@ starts a training run with: the export's weights, once its function and tokenize
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -197,7 +198,7 @@ def write_export(
     if fmt not in FORMATS:
         raise UsageError(f"format={fmt!r} is not valid; choose one of: {', '.join(FORMATS)}")
     out = Path(out)
-    info = dict(info or {})
+    info = publishable(dict(info or {}))
     tok = matching_tokenizer(Path(tokenizer_path), cfg)
     info.setdefault("tokenizer_sha256", tok.sha256)
     state = {k: v for k, v in state.items() if not (cfg.tied_embeddings and k == TIED_KEY)}
@@ -205,7 +206,7 @@ def write_export(
     stored = {
         k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous() for k, v in state.items()
     }
-    check_replaceable(out, overwrite, fmt, info.get("run_dir"))
+    check_replaceable(out, overwrite, fmt, info.get("run_id"))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = sibling(out, "tmp")
     tmp.mkdir()
@@ -225,10 +226,30 @@ def write_export(
     return out
 
 
-def check_replaceable(out: Path, overwrite: bool, fmt: str, run_dir: str | None) -> None:
+def publishable(info: dict[str, Any]) -> dict[str, Any]:
+    """`info` without the absolute local paths a published model would leak (home and cluster
+    directories): the run directory becomes `run_id`, a digest that only tells whether two exports
+    come from the same run; the checkpoint it came from (`source`) becomes `<run name>/<path in
+    the run>`; `imported_from`, `init_from` and any other absolute path their last component."""
+    run_dir = info.pop("run_dir", None)
+    if run_dir is not None:
+        info["run_id"] = hashlib.sha256(str(run_dir).encode()).hexdigest()[:16]
+    for key in ("source", "imported_from", "init_from"):
+        value = info.get(key)
+        if not isinstance(value, str) or not Path(value).is_absolute():
+            continue
+        path = Path(value)
+        if run_dir is not None and path.is_relative_to(run_dir):
+            info[key] = str(Path(Path(run_dir).name) / path.relative_to(run_dir))
+        else:
+            info[key] = path.name
+    return info
+
+
+def check_replaceable(out: Path, overwrite: bool, fmt: str, run_id: str | None) -> None:
     """An existing `out` is replaced only when it holds nothing an export does not write, and
-    either overwrite=true or it is an earlier export of the same run (`run_dir`) in the same
-    format; ExportError (one line) otherwise, before anything is written."""
+    either overwrite=true or it is an earlier export of the same run (`run_id`, publishable) in
+    the same format; ExportError (one line) otherwise, before anything is written."""
     if not out.exists():
         return
     if not out.is_dir():
@@ -243,7 +264,8 @@ def check_replaceable(out: Path, overwrite: bool, fmt: str, run_dir: str | None)
     if overwrite:
         return
     earlier = export_provenance(out)
-    same_run = run_dir is not None and earlier.get("run_dir") == run_dir
+    earlier_run = publishable({"run_dir": earlier["run_dir"]}) if earlier.get("run_dir") else earlier
+    same_run = run_id is not None and earlier_run.get("run_id") == run_id  # (exports before run_id: run_dir)
     if same_run and earlier.get("format") == fmt:
         return  # derived data: re-exporting after more training replaces it
     what = f" (a {earlier['format']}-format export)" if earlier.get("format") else ""
@@ -445,6 +467,15 @@ def _function_dict(cfg: ModelConfig) -> dict[str, Any]:
     return data
 
 
+_BLOCKS = {"pre": "pre-LN", "post": "post-LN", "parallel": "parallel blocks", "none": "no norm"}
+
+
+def architecture(cfg: ModelConfig) -> str:
+    """`tiny (pre-LN, 2 layers, d_model 32, 2 heads)`: a model's preset and shape, in words."""
+    block = _BLOCKS.get(cfg.block, f"block={cfg.block}")
+    return f"{cfg.name} ({block}, {cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} heads)"
+
+
 def initial_model(directory: str | os.PathLike, cfg: ModelConfig, data_tokenizer_sha256: str) -> Transformer:
     """The model a run with `model.init_from=directory` starts from: the export's weights in a
     Transformer of the run's config `cfg` (in training mode). Refused with one line when the
@@ -462,6 +493,11 @@ def initial_model(directory: str | os.PathLike, cfg: ModelConfig, data_tokenizer
         model_config_dict(exported.cfg), model_config_dict(cfg), "export", _INIT_FROM_IGNORED
     )
     if shown and model_differences(_function_dict(exported.cfg), _function_dict(cfg), "", _INIT_FROM_IGNORED):
+        if " more" in shown:  # many settings differ: another architecture, said by its presets
+            shown = (
+                f"the export is {architecture(exported.cfg)}, the run is {architecture(cfg)}; choose "
+                f"model={exported.cfg.name} (with the export's sizes) or an export of this architecture"
+            )
         raise ConfigError(f"model.init_from={directory}: the run's model differs from the export's: {shown}")
     if tok.sha256 != data_tokenizer_sha256:
         raise DataError(

@@ -37,7 +37,7 @@ from lmsys.core.errors import TrainingError
 from lmsys.core.files import atomic_write_text
 from lmsys.core.runtime import Setup
 from lmsys.data.loader import Batch, TokenLoader
-from lmsys.engine.rundir import CHECKPOINTS
+from lmsys.engine.checkpoint import newest_saved
 from lmsys.training.faults import Faults
 from lmsys.training.nonfinite import Finding, module_grad_norms, replay, replica
 from lmsys.training.reporter import Reporter
@@ -82,6 +82,7 @@ class Health:
         t = cfg.trainer
         self.cfg, self.setup, self.run_dir, self.report, self.faults = cfg, setup, run_dir, reporter, faults
         self.policy, self.limit = t.on_nonfinite, t.max_nan_skips
+        self.save_interval = t.save_interval
         self.factor, self.margin = t.spike_factor, t.spike_margin
         self.ceiling = math.log(cfg.model.vocab_size) + t.spike_margin
         self.history: deque[float] = deque(maxlen=WINDOW)
@@ -197,17 +198,18 @@ class Health:
         """Apply the policy to the run (every rank): raise TrainingError to stop. `applied`: the
         step's update went through (a diverging step's does: only a rewind undoes it)."""
         self.events += 1
-        checkpoints = self.run_dir / CHECKPOINTS
+        # where the run could resume: the newest checkpoint, or that none was saved yet
+        checkpoints = newest_saved(self.run_dir, self.save_interval)
         if self.policy == "stop":
             raise TrainingError(
                 f"step {event.step}: {event.what}; stopping (trainer.on_nonfinite=stop): report "
-                f"{event.report}, checkpoints in {checkpoints}"
+                f"{event.report}; {checkpoints}"
             )
         if self.events > self.limit:
             raise TrainingError(
                 f"loss was NaN/inf or diverged at {self.events} steps, more than trainer.max_nan_skips="
                 f"{self.limit}; stopping at step {event.step} (lower optim.lr or raise optim.warmup_steps; "
-                f"reports in {self.run_dir / DIAGNOSTICS}, checkpoints in {checkpoints})"
+                f"reports in {self.run_dir / DIAGNOSTICS}; {checkpoints})"
             )
         if self.policy == "skip":
             update = "the update was applied" if applied else "skipped the update"

@@ -63,12 +63,49 @@ def test_text_is_recognised_by_content(tmp_path):
     corpus = FileCorpus.from_sources([str(licenses)])
     assert sorted(f.path.name for f in corpus.files) == ["COPYING", "GPL-3", "NOTICE", "copyright"]
     assert corpus.scan.summary() == (
-        "6 files matched, 4 read; 4 of them without an extension, read as UTF-8 text; "
-        "skipped: 1 binary without an extension, 1 of other types (.png)"
+        "6 files matched: 4 read (4 recognised as text by their content); "
+        "skipped: 1 binary, 1 of other types (.png)"
     )
     assert len(list(corpus.documents())) == 4
     globbed = resolve_sources([str(licenses / "*")])
     assert [f.path.name for f in globbed] == ["COPYING", "GPL-3", "NOTICE", "copyright"]
+
+
+def test_text_files_are_read_whatever_their_names(tmp_path):
+    """Names that end like versions or carry dots (the system's licenses, man pages) are read when
+    their content is text; a symlink to a file already read is a duplicate named in the report;
+    the counts add up: every file matched is read, a duplicate, binary or of another type."""
+    licenses = tmp_path / "common-licenses"
+    licenses.mkdir()
+    for name in ("Apache-2.0", "CC0-1.0", "LGPL-2.1", "systemd.automount", "GPL-3"):
+        (licenses / name).write_text(f"{name}: the licence text, version and terms ...\n")
+    (licenses / "GPL").symlink_to("GPL-3")
+    (licenses / "blob.0").write_bytes(bytes(range(256)))  # an unknown suffix, binary content
+    (licenses / "table.csv").write_text("a,b\n1,2\n")
+    (licenses / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    corpus = FileCorpus.from_sources([str(licenses)])
+    read = ["Apache-2.0", "CC0-1.0", "GPL-3", "LGPL-2.1", "systemd.automount"]
+    assert sorted(f.path.name for f in corpus.files) == read
+    scan = corpus.scan
+    assert scan.summary() == (
+        "9 files matched: 5 read (5 recognised as text by their content), 1 duplicate read once "
+        "(symlink GPL -> GPL-3); skipped: 1 binary, 2 of other types (.csv, .png)"
+    )
+    assert scan.matched == len(scan.files) + len(scan.duplicates) + len(scan.skipped_binary) + len(
+        scan.skipped_type
+    )
+    assert len(list(corpus.documents())) == 5
+
+
+def test_the_systems_licenses_are_all_read(tmp_path):
+    """/usr/share/common-licenses (the README's example): every text file is read, once."""
+    system = Path("/usr/share/common-licenses")
+    if not system.is_dir():
+        pytest.skip("no /usr/share/common-licenses on this machine")
+    scan = FileCorpus.from_sources([str(system)]).scan
+    real = {p.resolve() for p in system.iterdir() if p.is_file()}
+    assert {f.path for f in scan.files} == real and not scan.skipped_binary and not scan.skipped_type
+    assert scan.matched == len(scan.files) + len(scan.duplicates)
 
 
 def test_documents_from_every_format(tmp_path):

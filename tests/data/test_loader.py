@@ -172,6 +172,11 @@ def test_resume_refuses_mismatches(data):
     )
     with pytest.raises(DataError, match="its saved num_samples is"):
         other.load_state_dict(state)
+    bigger = TokenLoader(data, "train", tokens_per_sample=S, global_batch_size=2 * G, micro_batch_size=1)
+    with pytest.raises(DataError) as e:  # names the key to set, and the other way out
+        bigger.load_state_dict(loader(data).state_dict())
+    assert f"its saved global_batch_size is {G}, this run has {2 * G}" in str(e.value)
+    assert "trainer.global_batch_tokens" in str(e.value) and "another trainer.run_dir" in str(e.value)
 
 
 def test_val_batches_come_from_the_held_out_split(data):

@@ -79,7 +79,7 @@ def test_prepare_says_what_its_sources_matched(prepared, corpus_dir, tmp_path):
     proc = run_prepare(*base_overrides(corpus_dir, prepared), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     line = next(ln for ln in proc.stdout.splitlines() if "sources:" in ln)
-    assert line == "lmsys-prepare: sources: 17 files matched, 16 read; skipped: 1 of other types (.csv)"
+    assert line == "lmsys-prepare: sources: 17 files matched: 16 read; skipped: 1 of other types (.csv)"
 
 
 @pytest.fixture

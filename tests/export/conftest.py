@@ -37,6 +37,7 @@ DS_JOBS = {
 }
 TRAIN_STEPS = 6
 TRAIN_BATCH = 8  # sequences per optimizer step
+SHORT_SEQ = 16  # short_run's data.seq_len, of model.max_seq_len=SEQ
 
 
 @pytest.fixture(autouse=True)
@@ -247,7 +248,7 @@ def _torchrun(nproc: int, *args: str) -> subprocess.Popen:
     )
 
 
-JOB_FIXTURES = {"jobs", "ds_checkpoints", "trained_run"}
+JOB_FIXTURES = {"jobs", "ds_checkpoints", "trained_run", "short_run"}
 HERE = Path(__file__).resolve().parent
 
 
@@ -303,6 +304,15 @@ def jobs(tmp_path_factory, data_dir) -> dict[str, Job]:
         "optim.lr=3e-3", "optim.warmup_steps=2", "logger=none", f"trainer.run_dir={run_dir}",
     ]  # fmt: skip
     started["train"] = Job("torchrun -m lmsys.train", _torchrun(2, "-m", "lmsys.train", *overrides), run_dir)
+    short_dir = tmp_path_factory.mktemp("trained_short") / "run"
+    short = [  # trained at data.seq_len=SHORT_SEQ of model.max_seq_len=SEQ positions (one process)
+        "model=tiny", *model, f"data.seq_len={SHORT_SEQ}", f"data.dir={data_dir}", "trainer.max_steps=2",
+        f"trainer.global_batch_tokens={4 * SHORT_SEQ}", "trainer.micro_batch_size=4",
+        "trainer.eval_interval=2", "trainer.eval_batches=1", "trainer.save_interval=2",
+        "trainer.progress=false", "logger=none", f"trainer.run_dir={short_dir}",
+    ]  # fmt: skip
+    short_proc = _torchrun(1, "-m", "lmsys.train", *short)
+    started["short"] = Job("python -m lmsys.train (short)", short_proc, short_dir)
     yield started
     for job in started.values():
         if job.proc.poll() is None:
@@ -325,3 +335,10 @@ def trained_run(jobs) -> Path:
     """A real training run: `torchrun --nproc_per_node=2 -m lmsys.train`, ZeRO-2, the tiny preset
     (tied embeddings) shrunk, 6 steps; checkpoints and validation at steps 3 and 6."""
     return jobs["train"].wait()
+
+
+@pytest.fixture(scope="session")
+def short_run(jobs) -> Path:
+    """A real training run (one process, 2 steps, checkpoint at step 2) at data.seq_len=SHORT_SEQ,
+    half of its model.max_seq_len=SEQ: positions SHORT_SEQ.. were never trained."""
+    return jobs["short"].wait()

@@ -41,7 +41,8 @@ def test_resume_and_export_choose_the_same_checkpoint(damaged_run, tmp_path):
         assert len(warnings) == 1 and f"step_{TRAIN_STEPS:07d}" in warnings[0] and "truncated" in warnings[0]
 
     out = export_checkpoint(damaged_run, tmp_path / "export")
-    assert f"`{chosen.tag_dir}`" in (out / "README.md").read_text()  # the model card's source
+    card = (out / "README.md").read_text()  # the model card's source, as a path inside the run
+    assert f"`run/checkpoints/{chosen.tag_dir.name}`" in card and str(tmp_path) not in card
     _, _, meta = load_model(damaged_run)  # lmsys-generate's and lmsys-eval's loader
     assert meta["step"] == 3 and meta["source"] == str(chosen.tag_dir)
 

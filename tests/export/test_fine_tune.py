@@ -74,7 +74,7 @@ def test_import_prepare_fine_tune_export_load_in_transformers(corpus, hf_gpt2_di
     assert tok.sha256 == data_tok.sha256 == Tokenizer(hf_gpt2_dir).sha256
     assert [auto(t)["input_ids"] for t in texts] == [data_tok.encode(t) for t in texts]
     assert auto.eos_token_id == tok.eos_id == BPE_VOCAB - 1 == hf.generation_config.eos_token_id
-    assert f"fine-tuned from | `{gpt2_import}`" in (out / "README.md").read_text()
+    assert f"fine-tuned from | `{gpt2_import.name}`" in (out / "README.md").read_text()  # no local path
     # it trained from the import's weights: every weight moved, by at most a few Adam steps of LR
     start = load_export(gpt2_import)[0].state_dict()
     moved = max((model.state_dict()[k] - v).abs().max().item() for k, v in start.items())

@@ -163,6 +163,8 @@ def test_multiple_choice_accuracy_equals_the_models_loglikelihoods(harness_runs,
             assert math.isclose(a, b, rel_tol=1e-5), (sample["doc"], logged, choices)
     assert 0 < accuracy < 1  # a comparison that could fail both ways
     assert results["lmsys_test_mc"]["acc,none"] == accuracy
+    (results_file,) = (root / "lmsys").rglob("results_*.json")  # --model_args batch_size=4 was used
+    assert json.loads(results_file.read_text(encoding="utf-8"))["config"]["lmsys_batch_size"] == 4
     shortcut = json.loads((root / "shortcut.json").read_text(encoding="utf-8"))
     assert shortcut["results"]["lmsys_test_mc"]["acc,none"] == _direct_accuracy(random_export)[0]
 

@@ -22,6 +22,7 @@ def test_nan_steps_are_skipped_then_training_stops(runs, tmp_path):
         "deepspeed=zero0",  # without ZeRO the skip is lmsys's own (ZeRO-2's: test_resume)
         "trainer.debug_nan_steps=[2,4]",
         "trainer.max_nan_skips=1",
+        "trainer.save_interval=100",  # it stops before its first checkpoint
     ]
     run = run_train("nan", 1, overrides, tmp_path / "run", cwd=tmp_path)
     assert run.returncode == 1, run.stdout + run.stderr
@@ -33,6 +34,9 @@ def test_nan_steps_are_skipped_then_training_stops(runs, tmp_path):
         "lmsys-train: error: loss was NaN/inf or diverged at 2 steps, more than trainer.max_nan_skips=1"
     )
     assert "stopping at step 4" in err[-1]
+    # no checkpoint was saved: the line points at none (it pointed at a checkpoints/ never made)
+    assert "no checkpoint was saved (trainer.save_interval=100)" in err[-1]
+    assert "checkpoints in" not in err[-1]
     assert "Traceback" not in run.stderr
     records = {r["step"]: r for r in run.records("train")}
     assert sorted(records) == [1, 2, 3, 4]
