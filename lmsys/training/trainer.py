@@ -282,7 +282,7 @@ class Trainer:
             + f" (ready in {self.engine_seconds:.1f} s)"
             + f"\n{prog}: {self._steps_planned()}, run directory {self.run_dir}"
             + f"\n{prog}: validation every {cfg.trainer.eval_interval} steps on {self.val_coverage()}"
-            + ("" if cfg.trainer.eval_batches == 0 else " (trainer.eval_batches=0: the whole split)")
+            + ("" if cfg.trainer.eval_batches == 0 else " (trainer.eval_batches=0 for the whole split)")
         )
         if self.kernel_check.passed or self.kernel_check.failed:
             self.console.say(f"{prog}: {self.kernel_check.line()}")

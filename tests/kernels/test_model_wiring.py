@@ -160,7 +160,7 @@ def test_prepare_kernels_selects_the_interpreter_before_triton_is_imported():
         """
         import os, sys
         import torch
-        from lmsys import ops
+        from lmsys.model import ops
         assert "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ
         ops.prepare_kernels("triton", torch.device("cpu"))
         assert os.environ["TRITON_INTERPRET"] == "1"
@@ -188,7 +188,7 @@ def test_prepare_kernels_after_a_compiled_triton_import_is_one_clear_error():
         import os, sys
         import torch
         import triton  # compiled mode: TRITON_INTERPRET is unset
-        from lmsys import ops
+        from lmsys.model import ops
         from lmsys.core.errors import ConfigError
         assert ops._imported_triton_mode() == "compiled"
         for kernels, device in [("auto", "cpu"), ("torch", "cpu"), ("triton", "cuda")]:
@@ -269,7 +269,7 @@ def test_fused_loss_on_cpu_selects_the_interpreter_before_triton_is_imported():
         """
         import os, sys
         import torch
-        from lmsys import ops
+        from lmsys.model import ops
         from lmsys.core.errors import ConfigError
         assert "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ
         """,
@@ -291,7 +291,7 @@ def test_fused_loss_on_cpu_after_a_compiled_triton_import_is_one_clear_error():
         """
         import torch
         import triton  # compiled mode, as DeepSpeed's start-up imports it
-        from lmsys import ops
+        from lmsys.model import ops
         from lmsys.core.errors import ConfigError
         """,
         _FUSED_LOSS,

@@ -42,7 +42,7 @@ def test_log_file_gets_plain_lines_and_no_bar_frames(runs):
     assert all(Path(line.split()[3]).is_dir() for line in saved)
     # trainer.eval_batches=2 micro-batches of 8 on 1 rank: 16 of the split's sequences, said so
     banner = next(line for line in out if line.startswith("lmsys-train: validation every 3 steps on "))
-    assert re.search(r"on 16 of \d+ val sequences \(trainer.eval_batches=0: the whole split\)$", banner)
+    assert re.search(r"on 16 of \d+ val sequences \(trainer.eval_batches=0 for the whole split\)$", banner)
     evals = [line for line in out if " val loss " in line and line.startswith("lmsys-train: step ")]
     assert len(evals) == 2 and all("(16 of " in e and "| lr " in e and "grad norm" in e for e in evals)
     wandb_lines = [line for line in out if line.startswith("lmsys-train: W&B: offline run in ")]
