@@ -30,7 +30,6 @@ Every command that runs must exit 0 without a traceback.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -210,6 +209,13 @@ def _module_of(tokens: list[str], scripts: dict[str, str]) -> tuple[str | None, 
     return None, tokens
 
 
+def _in_checkout(module: str) -> bool:
+    """Whether this checkout has `module` (a .py or a package); not importlib's answer, which an
+    editable install of another checkout can give."""
+    path = REPO_ROOT.joinpath(*module.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
 def _insert_dry_run(args: list[str]) -> list[str]:
     split = args.index("--") if "--" in args else len(args)
     return [*args[:split], "--dry-run", *args[split:]]
@@ -231,7 +237,7 @@ def plan(text: str, read_later: str, scripts: dict[str, str]) -> Planned | str:
         raise AssertionError(
             f"{text!r}: neither `python -m` nor a console script; add it to NOT_RUN with why"
         )
-    if importlib.util.find_spec(module) is None:
+    if not _in_checkout(module):
         if module in PENDING:
             return f"pending: {PENDING[module]}"
         raise AssertionError(f"{text!r}: no module {module}")
