@@ -54,6 +54,7 @@ from lmsys.training.run_plan import (
     schedule_horizon,
     start_processes,
 )
+from lmsys.training.saving import Saves
 from lmsys.training.stopping import StopRequest
 
 PROG = "lmsys-train"
@@ -91,6 +92,17 @@ class Trainer:
             model, cfg, plan, setup.device, setup.precision
         )
         self.engine_seconds = time.perf_counter() - started
+        self.saves = Saves(  # every rank, here: asynchronous saves form a process group of their own
+            t.async_save,
+            run.run_dir,
+            setup.rank,
+            setup.world_size,
+            t.keep_last,
+            self.report,
+            t.dist_timeout_s,
+            pin=setup.device.type == "cuda",
+            pause_s=self.faults.save_pause_s,
+        )
         # dynamo's counters are process-wide (a sweep's jobs share a process): this run counts from here
         self.compile_start = compile_stats() if self.engine_info.compiled else None
         self.loader = TokenLoader(
@@ -387,19 +399,8 @@ class Trainer:
     def save(self, announce: bool = True) -> Path:
         """A checkpoint of the step just finished (lmsys/engine/checkpoint.py); every rank calls it."""
         rank_state = {"loader": self.loader.state_dict(), "rng": ckpt.rng_state()}
-        start = time.perf_counter()
-        saved = ckpt.save(
-            self.engine,
-            self.run_dir,
-            self.state,
-            rank_state,
-            self.setup.rank,
-            self.cfg.trainer.keep_last,
-            warn=self.report.warn,
-            pause_s=self.faults.save_pause_s,
-        )
+        saved = self.saves.save(self.engine, self.state, rank_state, announce)  # trainer.async_save
         self.saved_step = self.state.step
-        self.report.checkpoint_saved(self.state.step, saved, time.perf_counter() - start, announce)
         return saved
 
     # -- the run ---------------------------------------------------------------------------------
@@ -420,6 +421,7 @@ class Trainer:
                 for step in range(self.start_step + 1, t.max_steps + 1):
                     result = self._first_step(step) if step == self.start_step + 1 else self.train_step(step)
                     self.record(result, time.perf_counter() - started)
+                    self.saves.poll()  # a save in the background: reported once committed
                     if step % t.eval_interval == 0 or step == t.max_steps:
                         self.evaluate_and_log(step, result.loss)
                     if step % t.save_interval == 0 or step == t.max_steps:
@@ -434,7 +436,9 @@ class Trainer:
                 self._stop(stop)  # saves the step (with the bar down) and raises Stopped
             if self.saved_step != t.max_steps and self.start_step < t.max_steps:
                 self.save()
+            self.saves.wait()
         except BaseException as exc:
+            self._settle_save(exc)
             self.report.close(exit_code=exc.exit_code if isinstance(exc, Stopped) else 1)
             raise
         self._finish(time.perf_counter() - started)
@@ -446,6 +450,18 @@ class Trainer:
         with compile_errors("trainer.compile", "trainer.compile=false trains eager"):
             return self.train_step(step)
 
+    def _settle_save(self, exc: BaseException) -> None:
+        """A failing run and its save in flight: after a training error every rank agreed on,
+        finish it (it is a good checkpoint); after anything else (a second Ctrl-C, a lost rank)
+        abandon it: it is never committed."""
+        if not isinstance(exc, (TrainingError, Stopped)):
+            self.saves.abandon()
+            return
+        try:
+            self.saves.wait()
+        except Exception as failed:  # the run's own error is the one to report
+            self.report.warn(f"the checkpoint being written was not committed: {failed}")
+
     def _stop(self, why: str) -> None:
         """Save the step every rank has just finished (unless its periodic save did), say so in
         one line, and raise Stopped with the exit status for the launcher."""
@@ -455,11 +471,13 @@ class Trainer:
         else:
             head, code = f"preempted ({self.stop.name() or 'a signal to another rank'})", EXIT_REQUEUE
             then = f"exit {EXIT_REQUEUE}: requeue, or run again with trainer.resume=auto, to continue"
+        self.saves.wait()  # the previous save, reported before the stop line
         self.console.status(f"{self.report.prog}: {head}: saving step {step} ...", end="")
         try:
             path = self.run_dir / rundir.CHECKPOINTS / ckpt.tag_for(step)
             if self.saved_step != step:
                 path = self.save(announce=False)  # the stop line says it
+            self.saves.wait()
         except BaseException:
             self.console.status(" not saved")
             raise
@@ -493,6 +511,7 @@ class Trainer:
         self.report.note(f"run directory: {self.run_dir.resolve()}")
         if wandb_line:
             self.report.note(wandb_line)
+        self.saves.close()
         dist.barrier()
 
 
