@@ -1,4 +1,4 @@
-"""`python -m lmsys.bench {train,prepare,generate} [key=value ...]`: the system benchmarks."""
+"""`python -m lmsys.bench {train,prepare,generate,checkpoint} [key=value ...]`: the system benchmarks."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ COMMANDS = {
     "train": "lmsys.bench.train",
     "prepare": "lmsys.bench.prepare",
     "generate": "lmsys.bench.generate",
+    "checkpoint": "lmsys.bench.checkpoint",
 }
 
 
