@@ -14,7 +14,7 @@ asynchronous checkpointing of a 7B model, 148.8 s -> 6.3 s, 0.04x). It also prin
 loop's time of each run, since a background write competes with the loop for the CPU (on a GPU it
 competes only for host memory bandwidth).
 
-The model (default: d_model 512, 8 layers, vocabulary 2048: 26.3M parameters) is sized so that a
+The model (d_model 512, 16 layers, vocabulary 2048: 26.3M parameters) is sized so that a
 checkpoint holds >= 300 MB at either stage (fp32: weights, master weights and Adam's two moments).
 Data: synthetic random tokens (lmsys.bench.train's), which the timing does not depend on.
 """
@@ -47,7 +47,7 @@ SEQ = 64
 MODEL = [
     f"model.vocab_size={VOCAB}",
     "model.d_model=512",
-    "model.n_layers=8",
+    "model.n_layers=16",
     "model.n_heads=8",
     f"model.max_seq_len={SEQ}",
 ]

@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -258,14 +259,8 @@ class AsyncSaver:
         self.snap_engine = SnapshotCheckpointEngine(self.buffers)
         self.group = None
         if world_size > 1:
-            from datetime import timedelta  # noqa: PLC0415
-
             self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.job: _Job | None = None
-
-    @property
-    def pending_step(self) -> int | None:
-        return self.job.step if self.job is not None else None
 
     def start(
         self,
@@ -331,9 +326,11 @@ class AsyncSaver:
             for obj, path in files:
                 if job.abandoned.is_set():
                     return
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
                 torch.save(obj, path)
                 written[Path(path).relative_to(tmp_dir).as_posix()] = Path(path).stat().st_size
             rank_file = tmp_dir / f"rank_{self.rank:05d}.json"
+            tmp_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(rank_file, rank_json)
             written[rank_file.name] = rank_file.stat().st_size
             if pause_s > 0 and job.abandoned.wait(pause_s):  # fault injection: files written, not committed
@@ -351,8 +348,7 @@ class AsyncSaver:
                 if errors:
                     raise CheckpointError(f"checkpoint {job.path.name} was not written: {errors[0]}")
                 check_complete(tmp_dir, reports)
-                if job.abandoned.is_set():
-                    return
+                # every rank's files are complete: committing is safe even if abandoned now
                 ckpt.commit(tmp_dir.parent, state.step, state, keep_last, job.warnings.append)
             elif error is not None:
                 raise CheckpointError(f"checkpoint {job.path.name} was not written: {error}")
@@ -377,12 +373,16 @@ class AsyncSaver:
             return None
         return self._finish()
 
-    def wait(self) -> SaveResult | None:
-        """Wait for the save in flight (in short slices, so that signals reach the main thread)."""
+    def wait(self, timeout_s: float | None = None) -> SaveResult | None:
+        """Wait for the save in flight (in short slices, so that signals reach the main thread);
+        None if there is none, or if it is not done after timeout_s (when given)."""
         if self.job is None:
             return None
+        give_up = None if timeout_s is None else time.monotonic() + timeout_s
         deadline = time.monotonic() + self.timeout_s + 60
         while not self.job.done.wait(0.05):
+            if give_up is not None and time.monotonic() > give_up:
+                return None
             if time.monotonic() > deadline:
                 raise CheckpointError(
                     f"checkpoint {self.job.path.name} is still being written after "

@@ -87,10 +87,11 @@ class Saves:
         if self.saver is not None:
             self._report(self.saver.poll())
 
-    def wait(self) -> None:
-        """Finish the save in flight, if any, and report it."""
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Finish the save in flight, if any, and report it; after timeout_s (if given) abandon it."""
         if self.saver is not None:
-            self._report(self.saver.wait())
+            self._report(self.saver.wait(timeout_s))
+            self.saver.abandon()  # nothing left, or one that did not finish in time
 
     def abandon(self) -> None:
         if self.saver is not None:

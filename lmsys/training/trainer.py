@@ -431,7 +431,7 @@ class Trainer:
                         break
                     if step_hook is not None:
                         step_hook(step)
-                    self.faults.after_step(step, self.report.prog)
+                    self.faults.after_step(step, self.report.prog, before_exit=self.saves.wait)
             if stop is not None:
                 self._stop(stop)  # saves the step (with the bar down) and raises Stopped
             if self.saved_step != t.max_steps and self.start_step < t.max_steps:
@@ -452,13 +452,13 @@ class Trainer:
 
     def _settle_save(self, exc: BaseException) -> None:
         """A failing run and its save in flight: after a training error every rank agreed on,
-        finish it (it is a good checkpoint); after anything else (a second Ctrl-C, a lost rank)
-        abandon it: it is never committed."""
-        if not isinstance(exc, (TrainingError, Stopped)):
+        finish it (it is a good checkpoint); after a second Ctrl-C abandon it (never committed);
+        after anything else (a lost rank) give it 30 s, then abandon it."""
+        if isinstance(exc, KeyboardInterrupt):  # a second Ctrl-C: out now
             self.saves.abandon()
             return
-        try:
-            self.saves.wait()
+        try:  # a lost rank: a save whose files were all written still commits, in moments
+            self.saves.wait(None if isinstance(exc, (TrainingError, Stopped)) else 30.0)
         except Exception as failed:  # the run's own error is the one to report
             self.report.warn(f"the checkpoint being written was not committed: {failed}")
 
