@@ -26,6 +26,10 @@ be picked up half-written:
    intact tags stay (and the one just written), older ones are deleted, and a damaged one (no
    marker, a missing or truncated file) is moved into `checkpoints/damaged/`, never counted.
 
+`save` is the synchronous path (trainer.async_save=false). The asynchronous one
+(lmsys/engine/async_save.py, the default) snapshots the state at the step boundary, writes the same
+files in the background and commits through the same `commit`, once every rank's files are there.
+
 Which checkpoint (`resolve`, `find_latest`): a checkpoint directory names itself, and must be
 complete and intact; a run directory or its checkpoints/ directory means its newest complete,
 intact `step_*`, every newer one that is not (no marker, a missing, truncated or altered file)
