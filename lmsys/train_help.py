@@ -16,6 +16,7 @@ KEY_HELP = [
     ("trainer.eval_batches", "validation micro-batches per rank (0: the whole validation split)"),
     ("trainer.save_interval", "steps between checkpoints"),
     ("trainer.keep_last", "checkpoints kept"),
+    ("trainer.async_save", "save in the background (false: the loop waits for the whole save)"),
     ("trainer.device", "auto | cpu | cuda"),
     ("trainer.on_nonfinite", "a NaN/inf or diverging step, once reported: skip | stop | rewind"),
     ("optim.name", "adamw | muon (optim=muon: Muon on the blocks' matrices, AdamW on the rest)"),

@@ -1,4 +1,4 @@
-"""`python -m lmsys.bench {train,prepare,generate,plan,ttl} [key=value ...]`: the system benchmarks."""
+"""`python -m lmsys.bench {train,prepare,generate,plan,ttl,checkpoint} [key=value ...]`: benchmarks."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ COMMANDS = {
     "generate": "lmsys.bench.generate",
     "plan": "lmsys.bench.plan",
     "ttl": "lmsys.bench.ttl",
+    "checkpoint": "lmsys.bench.checkpoint",
 }
 
 

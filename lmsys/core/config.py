@@ -206,6 +206,9 @@ class TrainerConfig:
     eval_batches: int = 0  # validation micro-batches per rank; 0: the whole validation split
     save_interval: int = 500  # also saved at the end, and after the step under way on SIGTERM/SIGUSR1/Ctrl-C
     keep_last: int = 3  # complete, intact checkpoints kept (damaged ones are moved to checkpoints/damaged/)
+    # save in the background: the loop stalls only to copy the state to host memory; a checkpoint
+    # is committed once every rank's files are written (docs/checkpoints.md); false: synchronous
+    async_save: bool = True
     # auto | never | <checkpoint dir or run dir: its newest intact checkpoint>; on any world size and
     # ZeRO stage that splits the global batch
     resume: str = "auto"
@@ -235,7 +238,8 @@ class TrainerConfig:
     # Fault injection for tests (leave empty in real runs): make the loss NaN at these steps,
     # sleep this long after every step, make the last rank exit at this step on a first attempt,
     # make the last rank send itself SIGTERM during this step (a preemption that reaches one rank),
-    # sleep this long inside every checkpoint save (before it is committed).
+    # sleep this long inside every checkpoint save (its files written, before it is committed; in
+    # the background writer when trainer.async_save).
     debug_nan_steps: list[int] = field(default_factory=list)
     debug_step_delay_s: float = 0.0
     debug_crash_at_step: int = 0

@@ -29,6 +29,10 @@ be picked up half-written:
 A checkpoint never holds a non-finite value: `save` refuses (TrainingError, one line naming the
 weight) when any rank's weights hold a NaN or inf, before anything is written.
 
+`save` is the synchronous path (trainer.async_save=false). The asynchronous one
+(lmsys/engine/async_save.py, the default) snapshots the state at the step boundary, writes the same
+files in the background and commits through the same `commit`, once every rank's files are there.
+
 Which checkpoint (`resolve`, `find_latest`): a checkpoint directory names itself, and must be
 complete and intact; a run directory or its checkpoints/ directory means its newest complete,
 intact `step_*`, every newer one that is not (no marker, a missing, truncated or altered file)
@@ -221,12 +225,7 @@ def save(
         if tmp_dir.exists():  # a leftover of a killed save of this same step
             shutil.rmtree(tmp_dir)
     _barrier()
-    needed = save_size(root, engine)
-    kept = f"{_newest_name(root)} stays the newest checkpoint" if _newest_name(root) else "no checkpoint kept"
-    then = (
-        f"checkpoint {tag} not saved (its partial files removed), {kept}; free space, then "
-        "trainer.resume=auto continues"
-    )
+    needed, then = space_needed(root, engine, tag)
     failure = None
     try:
         with space_checked(root, needed, None, then):
@@ -245,6 +244,18 @@ def save(
             failure = exc
     _agree_or_raise(failure, tmp_dir, rank)
     return final_dir
+
+
+def space_needed(root: Path, engine: Any, tag: str) -> tuple[int, str]:
+    """What a save of `tag` needs on disk (about) and, should the disk fill up, what its one line
+    says after "no space left ...": what is kept and what to do."""
+    newest = _newest_name(root)
+    kept = f"{newest} stays the newest checkpoint" if newest else "no checkpoint kept"
+    then = (
+        f"checkpoint {tag} not saved (its partial files removed), {kept}; free space, then "
+        "trainer.resume=auto continues"
+    )
+    return save_size(root, engine), then
 
 
 def save_size(root: Path, engine: Any) -> int:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -174,11 +175,15 @@ class Faults:
         for injection in self.nonfinite:
             injection.poison_weights(model)
 
-    def after_step(self, step: int, prog: str) -> None:
-        """A slow step, or the last rank dying abruptly (as a lost node would)."""
+    def after_step(self, step: int, prog: str, before_exit: Callable[[], None] | None = None) -> None:
+        """A slow step, or the last rank dying abruptly (as a lost node would). before_exit: runs
+        first (the trainer finishes this rank's part of a save in flight, so that the crash comes
+        after the checkpoints taken before it, as it did when saves were synchronous)."""
         if self.step_delay_s > 0:
             time.sleep(self.step_delay_s)
         if step == self.crash_at_step and self.last_rank and self.first_attempt:
+            if before_exit is not None:
+                before_exit()
             print(
                 f"{prog}: debug: rank {self.rank} exits at step {step} (trainer.debug_crash_at_step)",
                 flush=True,

@@ -4,7 +4,8 @@ the reporter feeds its sinks:
     event                      console (rank 0)                metrics.jsonl (rank 0)   W&B (rank 0)
     step_done(StepReport)      bar, or a line every interval   every step ("train")    every log_interval
     eval_done(...)             the validation line             "eval"                  always
-    checkpoint_saved(...)      "saved checkpoint ... (s)"      "checkpoint"            no
+    checkpoint_saved(...)      "saved checkpoint ... (stall;   "checkpoint" (stall_s,  no
+                               written in the background in)   write_s, waited_s)
     note / warn                the line                        -                       -
     close(exit_code)           -                               closed                  finished; loss.png
 
@@ -81,11 +82,34 @@ class Reporter:
             self.logger.log("eval", step, {"loss": val_loss, "ppl": math.exp(min(val_loss, 80.0))})
         self.console.eval_done(step, train_loss, val_loss, coverage)
 
-    def checkpoint_saved(self, step: int, path: Path, seconds: float, announce: bool = True) -> None:
+    def checkpoint_saved(
+        self,
+        step: int,
+        path: Path,
+        seconds: float,
+        announce: bool = True,
+        write_s: float | None = None,
+        waited_s: float = 0.0,
+        asynchronous: bool = False,
+    ) -> None:
+        """A committed checkpoint. seconds: the loop's stall; write_s: writing, checking and
+        committing it (the same as the stall when saved synchronously, in the background when not);
+        waited_s: of the stall, waiting for the previous save to finish."""
+        write_s = seconds if write_s is None else write_s
         if self.logger is not None:
-            self.logger.log("checkpoint", step, {"path": str(path), "seconds": seconds}, to_wandb=False)
-        if announce:
+            row = {"path": str(path), "seconds": seconds, "stall_s": seconds, "write_s": write_s}
+            row.update(waited_s=waited_s, **{"async": asynchronous})
+            self.logger.log("checkpoint", step, row, to_wandb=False)
+        if not announce:
+            return
+        if not asynchronous:
             self.note(f"saved checkpoint {path} ({seconds:.1f} s)")
+            return
+        waited = f", {waited_s:.2f} s of it waiting for the previous save" if waited_s >= 0.005 else ""
+        self.note(
+            f"saved checkpoint {path} (loop stalled {seconds:.2f} s{waited}; "
+            f"written in the background in {write_s:.2f} s)"
+        )
 
     def memory_measured(self, step: int, plan: Plan | None, peaks: list[int]) -> None:
         """After the first applied step (rank 0): the measured peak of every rank (lmsys.training.

@@ -60,6 +60,7 @@ from lmsys.training.run_plan import (
     schedule_horizon,
     start_processes,
 )
+from lmsys.training.saving import Saves
 from lmsys.training.stopping import StopRequest, continue_command
 from lmsys.training.watchdog import Watchdog
 
@@ -115,6 +116,17 @@ class Trainer:
         self.engine_seconds = time.perf_counter() - started
         self.faults.arm(self.engine.module.model)
         self.health = Health(cfg, setup, run.run_dir, self.report, self.faults)
+        self.saves = Saves(  # every rank, here: asynchronous saves form a process group of their own
+            t.async_save,
+            run.run_dir,
+            setup.rank,
+            setup.world_size,
+            t.keep_last,
+            self.report,
+            t.dist_timeout_s,
+            pin=setup.device.type == "cuda",
+            pause_s=self.faults.save_pause_s,
+        )
         # dynamo's counters are process-wide (a sweep's jobs share a process): this run counts from here
         self.compile_start = compile_stats() if self.engine_info.compiled else None
         self.loader = TokenLoader(
@@ -448,19 +460,8 @@ class Trainer:
         """A checkpoint of the step just finished (lmsys/engine/checkpoint.py); every rank calls it."""
         rank_state = {"loader": self.loader.state_dict(), "rng": ckpt.rng_state()}
         self.watchdog.at(self.state.step, "checkpoint save")
-        start = time.perf_counter()
-        saved = ckpt.save(
-            self.engine,
-            self.run_dir,
-            self.state,
-            rank_state,
-            self.setup.rank,
-            self.cfg.trainer.keep_last,
-            warn=self.report.warn,
-            pause_s=self.faults.save_pause_s,
-        )
+        saved = self.saves.save(self.engine, self.state, rank_state, announce)  # trainer.async_save
         self.saved_step = self.state.step
-        self.report.checkpoint_saved(self.state.step, saved, time.perf_counter() - start, announce)
         return saved
 
     # -- the run ---------------------------------------------------------------------------------
@@ -485,6 +486,7 @@ class Trainer:
                     step += 1
                     result = self._first_step(step) if step == self.start_step + 1 else self.train_step(step)
                     self.record(result, time.perf_counter() - started)
+                    self.saves.poll()  # a save in the background: reported once committed
                     if result.event is not None and self.health.policy == "rewind":
                         step = self._rewind(result.event)
                         continue
@@ -497,12 +499,14 @@ class Trainer:
                         break
                     if step_hook is not None:
                         step_hook(step)
-                    self.faults.after_step(step, self.report.prog)
+                    self.faults.after_step(step, self.report.prog, before_exit=self.saves.wait)
             if stop is not None:
                 self._stop(stop)  # saves the step (with the bar down) and raises Stopped
             if self.saved_step != t.max_steps and self.start_step < t.max_steps:
                 self.save()
+            self.saves.wait()
         except BaseException as exc:
+            self._settle_save(exc)
             self.report.close(exit_code=exc.exit_code if isinstance(exc, Stopped) else 1)
             raise
         finally:
@@ -512,6 +516,7 @@ class Trainer:
     def _rewind(self, event: Event) -> int:
         """trainer.on_nonfinite=rewind: back to the last intact checkpoint, never to train on the
         event's data again. Returns the checkpoint's step."""
+        self.saves.wait()  # a checkpoint still being written is the one to go back to
         found = ckpt.find_latest(self.run_dir, self.report.warn)
         if found is None:
             raise TrainingError(
@@ -530,6 +535,18 @@ class Trainer:
         with compile_errors("trainer.compile", "trainer.compile=false trains eager"):
             return self.train_step(step)
 
+    def _settle_save(self, exc: BaseException) -> None:
+        """A failing run and its save in flight: after a training error every rank agreed on,
+        finish it (it is a good checkpoint); after a second Ctrl-C abandon it (never committed);
+        after anything else (a lost rank) give it 30 s, then abandon it."""
+        if isinstance(exc, KeyboardInterrupt):  # a second Ctrl-C: out now
+            self.saves.abandon()
+            return
+        try:  # a lost rank: a save whose files were all written still commits, in moments
+            self.saves.wait(None if isinstance(exc, (TrainingError, Stopped)) else 30.0)
+        except Exception as failed:  # the run's own error is the one to report
+            self.report.warn(f"the checkpoint being written was not committed: {failed}")
+
     def _stop(self, why: str) -> None:
         """Save the step every rank has just finished (unless its periodic save did), say so in
         one line, and raise Stopped with the exit status for the launcher."""
@@ -540,11 +557,13 @@ class Trainer:
         else:
             head, code = f"preempted ({self.stop.name() or 'a signal to another rank'})", EXIT_REQUEUE
             then = f"exit {EXIT_REQUEUE}: requeue the job, or continue with: {command}"
+        self.saves.wait()  # the previous save, reported before the stop line
         self.console.status(f"{self.report.prog}: {head}: saving step {step} ...", end="")
         try:
             path = self.run_dir / rundir.CHECKPOINTS / ckpt.tag_for(step)
             if self.saved_step != step:
                 path = self.save(announce=False)  # the stop line says it
+            self.saves.wait()
         except BaseException:
             self.console.status(" not saved")
             raise
@@ -578,6 +597,7 @@ class Trainer:
         self.report.note(f"run directory: {self.run_dir.resolve()}")
         if wandb_line:
             self.report.note(wandb_line)
+        self.saves.close()
         dist.barrier()
 
 
