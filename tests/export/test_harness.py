@@ -109,7 +109,8 @@ def harness_runs(tmp_path_factory, hf_export, random_export, tokenizer_path):
     with pytest.MonkeyPatch.context() as env:  # offline, and datasets' cache inside the test's directory
         env.setenv("HF_DATASETS_OFFLINE", "1")
         env.setenv("HF_DATASETS_CACHE", str(root / "hf_datasets"))
-        procs = run_clis(calls, parallel=4, timeout=300)
+        # four lm_eval runs side by side: minutes each on a loaded 2-core machine
+        procs = run_clis(calls, parallel=4, timeout=900)
     for name, proc in procs.items():
         assert proc.returncode == 0, (
             f"{name}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
