@@ -31,7 +31,7 @@ from lmsys.bench.train import write_synthetic_data
 from lmsys.cli import Option, parse_options, run_cli
 from lmsys.core.config import compose
 from lmsys.engine.rundir import read_metrics
-from lmsys.training.devices import cpu_device, cpu_flops
+from lmsys.training.devices import cpu_device, cpu_flops, device_spec
 from lmsys.training.planning import CPU_STEP_OVERHEAD_S, mib, plan_launch
 
 PROG = "lmsys-bench plan"
@@ -239,8 +239,6 @@ def largest_micro(base: Any, world: int, device: Any) -> tuple[int, Any]:
 def prediction_table() -> str:
     """gpt2_124m..gpt2_1558m x ZeRO 0-3 x world 1/8/64 at T=1024 (trainer=gpt2's 524,288-token
     global batch): per-GPU peak at micro-batch 1, the largest micro-batch that fits, its tokens/s."""
-    from lmsys.training.devices import device_spec
-
     lines = [
         "| model | ZeRO | world | device | peak per GPU at micro 1 | largest micro that fits | peak there "
         "| predicted tokens/s (all GPUs) | MFU |",

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from kernels.reference import lce_default_chunk  # the chunk rule of the chunked loss path
 from lmsys.core.config import Config, model_dims
 from lmsys.core.errors import ConfigError
 from lmsys.core.runtime import BatchPlan, batch_plan
@@ -204,8 +205,6 @@ def loss_head_bytes(cfg: Config, tokens: int, impl: str, act_bytes: int) -> int:
         # gradient of the logits (4 buffers of (tokens, V) at the backward's peak, measured on CPU)
         upcast = 4 * tokens * v if act_bytes < 4 else 0
         return tokens * v * act_bytes + 3 * tokens * v * 4 + upcast + tokens * d * act_bytes
-    from kernels.reference import lce_default_chunk  # the chunk rule of the chunked path
-
     chunk = lce_default_chunk(tokens, v) if impl == "chunked" else 0
     # gradients of h and W formed in the forward (fp32), scaled copies in the backward
     backward = 2 * 4 * (tokens * d + v * d)
