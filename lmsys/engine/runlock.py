@@ -121,9 +121,12 @@ class RunLock:
         self.path = self.run_dir / LOCK_FILE
         self._fd: int | None = None
         self.took_over: Holder | None = None  # the dead or requeued holder this launch replaced
+        self._announced = False
 
-    def acquire(self) -> RunLock:
-        """Take the lock (creating the run directory), or raise ConfigError naming the holder."""
+    def acquire(self, announce: bool = True) -> RunLock:
+        """Take the lock (creating the run directory), or raise ConfigError naming the holder.
+        announce=False leaves the file as it is until `announce()` (a launch that may still be
+        refused for another reason leaves the directory untouched)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -146,12 +149,19 @@ class RunLock:
             # or by this SLURM job's earlier run
             if holder is not None:
                 self.took_over = holder
-            _write_holder(fd, me)
         except BaseException:
             os.close(fd)  # closing drops a flock this process took
             raise
         self._fd = fd
+        if announce:
+            self.announce()
         return self
+
+    def announce(self) -> None:
+        """Name this process as the holder in the lock file."""
+        assert self._fd is not None
+        _write_holder(self._fd, _me())
+        self._announced = True
 
     def busy(self, holder: Holder | None) -> ConfigError:
         who = holder.describe() if holder is not None else "another process"
@@ -165,8 +175,9 @@ class RunLock:
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
-        with contextlib.suppress(OSError):
-            _write_holder(fd, None)
+        if self._announced:
+            with contextlib.suppress(OSError):
+                _write_holder(fd, None)
         os.close(fd)
 
 

@@ -97,16 +97,19 @@ def plan_run(
 def locked_plan(cfg: Config, tokenizer_sha256: str, world_size: int, console: Console) -> RunPlan:
     """Rank 0: the run's plan, with the run directory locked (lmsys.engine.runlock) before anything
     is written there. An existing directory is locked before its checkpoints are read (a second
-    launch hears of the first, not of its checkpoints); a new one only once the plan holds, so a
-    refused launch leaves nothing behind."""
+    launch hears of the first, not of its checkpoints) and named as this launch's once the plan
+    holds; a new one is locked only then: a refused launch leaves the directory as it was."""
     run_dir = choose_run_dir(cfg)
-    lock = RunLock(run_dir).acquire() if run_dir.is_dir() else None
+    lock = RunLock(run_dir).acquire(announce=False) if run_dir.is_dir() else None
     try:
         plan = plan_run(cfg, tokenizer_sha256, world_size, console.warn, run_dir)
-        lock = lock or RunLock(run_dir).acquire()
+        if lock is None:
+            lock = RunLock(run_dir).acquire()
+        else:
+            lock.announce()
     except BaseException:
         if lock is not None:
-            lock.release()
+            lock.release()  # unannounced: the file as it was
         raise
     if lock.took_over is not None:
         console.warn(f"took over the lock of {run_dir} from {lock.took_over.describe()}: it is gone")
