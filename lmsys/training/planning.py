@@ -8,7 +8,8 @@ here; with ZeRO the largest partition is counted), in bytes:
   keeps 1/world of it plus, whole, every parameter under deepspeed.param_persistence_threshold.
 - gradients: ZeRO-0 the whole gradient (bf16 adds DeepSpeed's fp32 copy); ZeRO-1 the whole
   gradient plus the partition's averaged gradient and its flat fp32 copy for the step; ZeRO-2 the
-  last two; ZeRO-3 the fp32 partition and the optimizer's fp32 gradient buffer (stage3.py
+  last two and the gradients not yet reduced (up to deepspeed.reduce_bucket_size of them);
+  ZeRO-3 the fp32 partition and the optimizer's fp32 gradient buffer (stage3.py
   allocates both).
 - optimizer_states: Adam's two moments and the fp32 master weights (separate from the model at
   every stage but fp32 ZeRO-0), / world from ZeRO-1; offload_optimizer moves them to host memory
@@ -235,7 +236,9 @@ def model_state_bytes(cfg: Config, shapes: ModelShapes, world: int, device: Devi
         params, grads = n * p, n * p + (4 * n if p < 4 else 0)
     elif stage in (1, 2):  # the partition's averaged gradient, then its flat fp32 copy for the step
         params = n * p
-        grads = (n * p if stage == 1 else 0) + part * p + 4 * part
+        # ZeRO-2 frees a gradient once its bucket is reduced: until then, up to a bucket's worth
+        held = n * p if stage == 1 else min(n, ds.reduce_bucket_size) * p
+        grads = held + part * p + 4 * part
     else:
         small = sum(k for k in shapes.param_numels if k < ds.param_persistence_threshold)
         params = part * p + small * p
@@ -243,8 +246,9 @@ def model_state_bytes(cfg: Config, shapes: ModelShapes, world: int, device: Devi
     buffers = 0
     if world > 1 or stage == 3:
         bucket = ds.reduce_bucket_size if cuda and ds.contiguous_gradients else min(ds.reduce_bucket_size, n)
-        if stage == 0:  # DeepSpeed flattens the gradients it all-reduces
-            buffers += min(n, 500_000_000) * p if world > 1 else 0
+        if stage == 0:  # DeepSpeed flattens the gradients it all-reduces (after the backward: on
+            # CPU into the memory the activations just freed, not measured there)
+            buffers += min(n, 500_000_000) * p if world > 1 and cuda else 0
         elif stage >= 2 or world > 1:
             buffers += bucket * p
     if stage == 3:  # gathered parameters: the prefetch bucket and the block being computed
