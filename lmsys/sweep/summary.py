@@ -299,12 +299,7 @@ def format_table(jobs: Sequence[Job], keys: Sequence[str]) -> str:
                 job.status,
             ]
         )
-    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *lines)]
-    text = io.StringIO()
-    for i, line in enumerate([header, *lines]):
-        text.write("  ".join(str(cell).ljust(w) for cell, w in zip(line, widths)).rstrip() + "\n")
-        if i == 0:
-            text.write("  ".join("-" * w for w in widths) + "\n")
+    text = _aligned(header, lines)
     if len(keys) > len(shown):
         text.write(f"(and {len(keys) - len(shown)} more differing values in {CSV_FILE})\n")
     return text.getvalue()
@@ -387,12 +382,7 @@ def format_groups(table: list[dict[str, Any]], baseline: str | None) -> str:
             else:
                 line += ["(baseline)", ""]
         lines.append(line)
-    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *lines)]
-    text = io.StringIO()
-    for i, line in enumerate([header, *lines]):
-        text.write("  ".join(str(cell).ljust(w) for cell, w in zip(line, widths)).rstrip() + "\n")
-        if i == 0:
-            text.write("  ".join("-" * w for w in widths) + "\n")
+    text = _aligned(header, lines)
     text.write("(mean +-95% confidence half-width over seeds, Student t")
     text.write("; differences paired by trainer.seed, two-sided paired t-test)\n" if baseline else ")\n")
     return text.getvalue()
@@ -482,3 +472,14 @@ class SummaryCallback(Callback):
             summarize(sweep_dir, baseline=self._baseline)
         except Exception as exc:  # a summary is a courtesy: it never fails the sweep
             warn(PROG, f"no sweep summary ({type(exc).__name__}: {exc})")
+
+
+def _aligned(header: list[str], lines: list[list[Any]]) -> io.StringIO:
+    """A plain-text table: columns padded to their widest cell, a rule under the header."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *lines)]
+    text = io.StringIO()
+    for i, line in enumerate([header, *lines]):
+        text.write("  ".join(str(cell).ljust(w) for cell, w in zip(line, widths)).rstrip() + "\n")
+        if i == 0:
+            text.write("  ".join("-" * w for w in widths) + "\n")
+    return text
