@@ -122,11 +122,13 @@ class RunLock:
         self._fd: int | None = None
         self.took_over: Holder | None = None  # the dead or requeued holder this launch replaced
         self._announced = False
+        self.created_dir = False  # this launch made the run directory (nothing was there before)
 
     def acquire(self, announce: bool = True) -> RunLock:
         """Take the lock (creating the run directory), or raise ConfigError naming the holder.
         announce=False leaves the file as it is until `announce()` (a launch that may still be
         refused for another reason leaves the directory untouched)."""
+        self.created_dir = not self.run_dir.exists()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -179,6 +181,16 @@ class RunLock:
             with contextlib.suppress(OSError):
                 _write_holder(fd, None)
         os.close(fd)
+
+    def release_untouched(self) -> None:
+        """Release after a launch that failed before writing anything: a run directory this launch
+        created and that holds nothing but the lock file goes again (a refused launch leaves no
+        trace)."""
+        self.release()
+        if self.created_dir and [p.name for p in self.run_dir.iterdir()] == [LOCK_FILE]:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+                self.run_dir.rmdir()
 
 
 def holder_of(run_dir: Path) -> Holder | None:

@@ -632,7 +632,12 @@ def train(cfg: Config, step_hook: Callable[[int], None] | None = None) -> Path:
         if crowded:
             console.warn(crowded)
         setup = Setup(device, precision, rank, world, batch_plan(cfg, world))
-        trainer = Trainer(cfg, setup, data, run, console, checked.memory)
+        try:
+            trainer = Trainer(cfg, setup, data, run, console, checked.memory)
+        except BaseException:
+            if run.lock is not None:  # refused before writing (e.g. model.init_from): no trace left
+                run.lock.release_untouched()
+            raise
         trainer.stop = stop
         trainer.open_run_dir()
         trainer.fit(step_hook)

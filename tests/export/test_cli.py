@@ -157,7 +157,7 @@ def test_generate_batch_with_a_truncated_prompt(files, capsys):
     assert proc.returncode == 0, proc.stderr
     warnings = proc.stderr.strip().splitlines()
     assert len(warnings) == 1 and warnings[0].startswith("lmsys-generate: warning: prompt 2 has"), proc.stderr
-    assert f"model.max_seq_len={SEQ}" in warnings[0] and "kept its last" in warnings[0]
+    assert f"seq_len={SEQ}" in warnings[0] and "kept its last" in warnings[0]
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     model, tok, _ = load_export(files["export"])
     sampling = Sampling(temperature=0.9, top_k=40)
@@ -173,7 +173,7 @@ def test_generate_bad_inputs(cli, files, capsys):
         cli["generate-mismatch"], "lmsys-generate", "'blocks.1.ffn.out.weight' has shape [32, 65]", "[32, 64]"
     )
     assert_one_line_error(
-        cli["generate-long"], "lmsys-generate", "the prompt has", f"model.max_seq_len={SEQ}",
+        cli["generate-long"], "lmsys-generate", "the prompt has", f"seq_len={SEQ}",
         "on_long_prompt=truncate",
     )  # fmt: skip
     assert_one_line_error(cli["generate-empty"], "lmsys-generate", "the prompt is empty")
