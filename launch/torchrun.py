@@ -472,17 +472,18 @@ def _stopped(code: int, by: str) -> int:
     return code
 
 
-def check_training_config(overrides: list[str], world_size: int) -> None:
+def check_training_config(overrides: list[str], world_size: int, nnodes: int = 1) -> None:
     """Compose lmsys.train's config and run the trainer's preflight for `world_size` ranks before
     any worker starts (lmsys.training.preflight): a mistake is then one line, not every rank's
-    failure and torchrun's."""
+    failure and torchrun's. On several nodes the data is checked where this node has it (a node
+    may reach the rendezvous before its data is staged; the trainer checks it on every rank)."""
     # lmsys's config and checks import Hydra and torch: only for lmsys.train launches.
     from lmsys.core.config import compose
     from lmsys.training.preflight import check_run_dir_free, preflight
 
     cfg = compose(overrides)
     check_run_dir_free(cfg)  # a second launch into a running run's directory: one line, no workers
-    preflight(cfg, world_size)
+    preflight(cfg, world_size, data="required" if nnodes == 1 else "if_present")
 
 
 def run_torchrun(plan: Plan, overrides: list[str]) -> int:
@@ -608,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         plan = make_plan(args, os.environ)
         if plan.module == "lmsys.train" and not any(o.startswith("-") for o in overrides):
-            check_training_config(overrides, plan.nproc * plan.nnodes)
+            check_training_config(overrides, plan.nproc * plan.nnodes, plan.nnodes)
         command = [sys.executable, "-m", "torch.distributed.run", *plan.torchrun_args(overrides)]
         print(f"{PROG}: {plan.describe()}", flush=True)
         if args.dry_run:

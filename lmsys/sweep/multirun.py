@@ -111,6 +111,12 @@ def check_jobs(jobs: Sequence[Sequence[str]], world_size: int | None = None, rem
     # misspelled key should be reported at once.
     from lmsys.training.preflight import preflight
 
+    # every job's batch arithmetic first (a mistake in the sweep's values), then the data
+    for number, cfg in enumerate(configs):
+        try:
+            preflight(cfg, world_size, data="skip")
+        except ConfigError as exc:
+            raise bad(number, exc) from exc
     opened: dict[str, Any] = {}  # each data directory is opened once
     for number, cfg in enumerate(configs):
         try:
