@@ -151,14 +151,18 @@ class Faults:
         for injection in self.nonfinite:
             injection.arm(model)
 
-    def before_step(self, step: int) -> None:
+    def before_step(self, step: int, before_hang: Callable[[], None] | None = None) -> None:
         """A preemption that reaches one rank: the last rank signals itself during `step`; or the
-        last rank hangs there."""
+        last rank hangs there. before_hang: runs first (the trainer finishes this rank's part of a
+        save in flight, so the hang comes after the checkpoints taken before it, as it did when
+        saves were synchronous)."""
         for injection in self.nonfinite:
             injection.begin_step(step)
         if step == self.signal_at_step and self.last_rank:
             os.kill(os.getpid(), signal.SIGTERM)
         if step == self.hang_step and self.last_rank and self.first_attempt:
+            if before_hang is not None:
+                before_hang()
             if self.hang_how == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)  # every thread, the watchdog's too
             else:

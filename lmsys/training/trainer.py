@@ -168,12 +168,20 @@ class Trainer:
             self.run_dir,
             console.prog,
             self.report.warn,
-            lambda: (
-                f"; trainer.resume=auto continues from the checkpoint of step {self.saved_step}"
-                if self.saved_step > 0
-                else "; no checkpoint was saved yet"
-            ),
+            self._resume_hint,
         )
+
+    def _resume_hint(self) -> str:
+        """For the stuck-rank line: the newest checkpoint on disk, committed (an asynchronous save
+        still in flight may never be)."""
+        committed = [
+            step
+            for step, path in ckpt.list_checkpoints(self.run_dir / rundir.CHECKPOINTS)
+            if (path / ckpt.MARKER).is_file()
+        ]
+        if not committed:
+            return "; no checkpoint was saved yet"
+        return f"; trainer.resume=auto continues from the checkpoint of step {committed[0]}"
 
     def _first_model(self, data: PreparedData, run: RunPlan) -> Transformer:
         """A new model, or with model.init_from the export's weights (unless the run resumes:
@@ -337,7 +345,7 @@ class Trainer:
         self.stop.begin_step(step)  # Ctrl-C's acknowledgement names it
         at = self.watchdog.at
         at(step, "start")
-        self.faults.before_step(step)
+        self.faults.before_step(step, before_hang=self.saves.wait)
         lr = eng.lr_at(step, self.cfg.optim, self.cfg.trainer.max_steps)
         eng.set_lr(engine, lr)
         loader_step = self.loader.step
