@@ -2,8 +2,8 @@
 config, world size and device, before anything starts.
 
     lmsys-plan model=gpt2_1558m trainer=gpt2 optim=gpt2 world=8 device=h100
-    lmsys-plan model=gpt2_124m deepspeed=zero3 world=64 device=a100-80gb json=true
-    python -m lmsys.plan model=seed_trax world=2                  # this machine's CPU
+    lmsys-plan model=gpt2_124m trainer=gpt2 deepspeed=zero3 world=32 device=a100-80gb json=true
+    python -m lmsys.plan model=seed_trax trainer.global_batch_tokens=32768 world=2   # this machine's CPU
 
 Arguments: the overrides lmsys-train takes (model=..., deepspeed=zero3, trainer.micro_batch_size=4,
 ...), plus
