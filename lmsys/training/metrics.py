@@ -72,11 +72,25 @@ def mfu(
     return flops_per_token * tokens_per_s / (peak_per_device * world_size)
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size: VmHWM of /proc/self/status, the peak of its own
+    address space. Not getrusage's ru_maxrss: Linux carries that across exec, so a run started
+    by a large process (a notebook, a test session of 3 GB) would report its parent's peak."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # no procfs: KiB on Linux
+
+
 def memory_gb(device: torch.device) -> float:
     """Peak memory of this process so far: CUDA allocations on GPU, resident set size on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # ru_maxrss is KiB on Linux
+    return peak_rss_bytes() / 1e9
 
 
 def _finite_or_none(value: Any) -> Any:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import math
 import os
-import resource
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -54,7 +53,7 @@ from lmsys.core.errors import ConfigError
 from lmsys.core.runtime import BatchPlan, batch_plan
 from lmsys.model.transformer import Transformer
 from lmsys.training.devices import GIB, GPUS, Device, cpu_device, cpu_flops
-from lmsys.training.metrics import device_peak_flops
+from lmsys.training.metrics import device_peak_flops, peak_rss_bytes
 
 MIB = 1 << 20
 # The MFU a GPU run of a GPT-2-sized dense model reaches with flash attention and fused kernels:
@@ -642,11 +641,11 @@ def rss_bytes() -> int:
 
 def measured_peak_bytes(device: torch.device, baseline_rss: int) -> int:
     """The run's measured peak: CUDA max_memory_allocated (what the plan predicts without its
-    allocator margin); CPU the process's peak RSS (getrusage ru_maxrss, KiB on Linux) minus its
-    RSS after the imports and the process group (taken before the model is built)."""
+    allocator margin); CPU the process's peak RSS (metrics.peak_rss_bytes) minus its RSS after
+    the imports and the process group (taken before the model is built)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline_rss
+    return peak_rss_bytes() - baseline_rss
 
 
 def memory_line(predicted: int, measured: int) -> str:

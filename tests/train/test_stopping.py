@@ -186,10 +186,16 @@ def test_a_second_ctrl_c_during_the_save_abandons_it_and_damages_nothing(runs, t
     run_dir = tmp_path / "run"
     overrides = [*runs.overrides("1proc"), "logger=none", "trainer.debug_step_delay_s=0.5"]
     overrides += ["trainer.debug_save_delay_s=2", f"trainer.run_dir={run_dir}"]
-    job = Running(train_command(1, overrides), run_dir, tmp_path)
+    job = Watched(train_command(1, overrides), run_dir, tmp_path)
     job.wait_for("checkpoint 2", lambda: (run_dir / "checkpoints" / "step_0000002" / ckpt.MARKER).exists())
     job.signal_group(signal.SIGINT)
-    job.wait_for("the stop's checkpoint being written", job.saving)
+    # Two signals that reach the process while its main thread is inside one C call reach Python
+    # as one: send the second only after the first was acknowledged, during the stop's own save
+    # (not a periodic save still in flight).
+    job.wait_for("the Ctrl-C acknowledgement", lambda: any("Ctrl-C:" in line for line in job.lines))
+    acked = int(re.search(r"stopping after step (\d+)", next(x for x in job.lines if "Ctrl-C:" in x))[1])
+    stop_save = run_dir / "checkpoints" / f".tmp-step_{acked:07d}"
+    job.wait_for(f"the stop's checkpoint (step {acked}) being written", stop_save.exists)
     job.signal_group(signal.SIGINT)
     code, out, err = job.finish()
     assert code == 130, out + err
