@@ -34,8 +34,13 @@ of the Muon update and the AdamW gradients together, and a clip would shrink Muo
 
 from __future__ import annotations
 
+import functools
+import importlib
+import sys
+from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from lmsys.core.config import OptimConfig
@@ -100,6 +105,42 @@ def muon_param_groups(model: nn.Module, optim: OptimConfig) -> list[dict[str, An
         {"params": no_decay, "weight_decay": 0.0, **adam},
     ]
     return [g for g in groups if g["params"]]
+
+
+def _compiled_on_first_call(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """torch.compile(fn), made at the first call rather than now."""
+    compiled: Callable[..., Any] | None = None
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        nonlocal compiled
+        if compiled is None:
+            compiled = torch.compile(fn)
+        return compiled(*args, **kwargs)
+
+    call._torchdynamo_orig_callable = fn  # type: ignore[attr-defined]  # as torch.compile's wrapper
+    return call
+
+
+def import_muon_lazily() -> None:
+    """Import DeepSpeed's Muon module with its torch.compile decorations deferred to their first
+    call. DeepSpeed's ZeRO code imports the module in every engine, Muon or not (its optimizer
+    check, and the ZeRO 1-2 gradient path at every step), and decorating imports inductor: about
+    1.6 s of CPU per rank per launch, for functions only a Muon run calls. Where DeepSpeed differs
+    (no such module or decorator), its own import stands."""
+    import deepspeed.runtime.compiler as ds_compiler  # late: lmsys.engine.zero's docstring
+
+    name = "deepspeed.runtime.zero.muon.original_muon"
+    decorator = getattr(ds_compiler, "compile", None)
+    if name in sys.modules or decorator is None:
+        return
+    ds_compiler.compile = lambda: _compiled_on_first_call
+    try:
+        importlib.import_module(name)
+    except ImportError:  # a DeepSpeed without Muon
+        pass
+    finally:
+        ds_compiler.compile = decorator
 
 
 def eager_newton_schulz() -> None:

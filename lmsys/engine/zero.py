@@ -55,7 +55,7 @@ from torch.utils.checkpoint import checkpoint
 from lmsys.core.config import Config, OptimConfig, compile_choice
 from lmsys.core.errors import CheckpointError
 from lmsys.core.runtime import BatchPlan
-from lmsys.engine.muon import build_muon
+from lmsys.engine.muon import build_muon, import_muon_lazily
 from lmsys.engine.quiet import quiet_overflow, without_build_lines
 from lmsys.model.compiling import compile_blocks, compile_module, wants_compile
 
@@ -339,6 +339,7 @@ def initialize(
     import deepspeed  # late: see the module docstring
 
     quiet_deepspeed()
+    import_muon_lazily()
     if cfg.deepspeed.activation_checkpointing:
         apply_activation_checkpointing(model)
     module = LossModule(model)

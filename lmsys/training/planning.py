@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 from kernels.reference import lce_default_chunk  # the chunk rule of the chunked loss path
 from lmsys.core.config import Config, model_dims
@@ -111,8 +112,33 @@ def model_shapes(cfg: Config) -> ModelShapes:
 _SHAPES: dict[tuple[str, int], ModelShapes] = {}
 
 
+class _NoInit(TorchFunctionMode):
+    """Skips the in-place random initialisations of a model built on the meta device: there they
+    run torch's Python references, whose first call imports torch._dynamo (about 2 s of CPU at
+    every launch) to fill tensors that have no data."""
+
+    SKIPPED = frozenset(
+        {
+            torch.Tensor.normal_,
+            torch.Tensor.uniform_,
+            nn.init.normal_,
+            nn.init.uniform_,
+            nn.init.trunc_normal_,
+            nn.init.kaiming_uniform_,
+            nn.init.kaiming_normal_,
+            nn.init.xavier_uniform_,
+            nn.init.xavier_normal_,
+        }
+    )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func in self.SKIPPED:  # the tensor, unchanged (nn.init passes it by keyword)
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
 def _model_shapes(cfg: Config) -> ModelShapes:
-    with torch.device("meta"):
+    with torch.device("meta"), _NoInit():
         model = Transformer(cfg.model)
     numels = tuple(p.numel() for p in model.parameters())
     block = sum(p.numel() for p in model.blocks[0].parameters()) if len(model.blocks) else 0
