@@ -24,7 +24,7 @@ here; with ZeRO the largest partition is counted), in bytes:
   gradient copies its reductions make.
 - workspace: the optimizer step's temporaries and the input batch.
 - runtime: memory the process takes on top that is not a tensor of the model (DeepSpeed's
-  modules imported at initialize, gloo's buffers, the loader): measured on CPU by
+  ZeRO bookkeeping, gloo's buffers, the loader): measured on CPU by
   `python -m lmsys.bench plan`; on CUDA 0 (the CUDA context lives outside the allocator).
 - allocator_margin: CUDA: the caching allocator's fragmentation and the CUDA context (10% + 1
   GiB); CPU: 5% (glibc's arenas).
@@ -70,10 +70,11 @@ CPU_STEP_OVERHEAD_S = 0.01  # per optimizer step: DeepSpeed's bookkeeping, the l
 INTER_NODE_BYTES_PER_S = 50e9
 GPUS_PER_NODE = 8
 # Process memory beyond the model's tensors on CPU, by ZeRO stage (bytes), fitted by the bench:
-# DeepSpeed's optimizer modules imported at initialize, gloo's buffers, the data loader.
-# Fitted on 2026-11-27 to 1-rank runs of tiny and seed_trax (ZeRO-1 and 2 create DeepSpeed's
-# ZeRO optimizer: about 47 MiB more than ZeRO-0 whatever the model's size).
-CPU_RUNTIME_BYTES = {0: 15 * MIB, 1: 62 * MIB, 2: 62 * MIB, 3: 64 * MIB}
+# DeepSpeed's ZeRO optimizer bookkeeping, gloo's buffers, the data loader. Refitted on
+# 2026-11-27 to 1-rank runs of tiny and seed_trax once DeepSpeed's Muon module stopped importing
+# inductor at initialize (lmsys.engine.muon.import_muon_lazily): the 47 MiB that ZeRO 1-3 seemed
+# to add over ZeRO-0 were that import's, not the optimizer's.
+CPU_RUNTIME_BYTES = {0: 2 * MIB, 1: 16 * MIB, 2: 16 * MIB, 3: 15 * MIB}
 COMPONENTS = (
     "parameters",
     "gradients",

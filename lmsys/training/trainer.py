@@ -94,6 +94,10 @@ class Trainer:
         memory: Plan | None = None,  # the preflight's prediction (trainer.plan)
     ):
         t, plan = cfg.trainer, setup.plan
+        # torch._dynamo is imported by every torch optimizer (its first param group): imported
+        # before the baseline, its ~100 MB of code count as the process's, not as the run's peak
+        import torch._dynamo  # noqa: F401
+
         self.memory, self.baseline_rss = memory, rss_bytes()  # before the model: lmsys.training.planning
         cfg = replace(cfg, optim=replace(cfg.optim, decay_steps=schedule_horizon(cfg, run.resume)))
         self.cfg, self.setup, self.run_dir, self.console = cfg, setup, run.run_dir, console
