@@ -39,7 +39,7 @@ intact `step_*`, every newer one that is not (no marker, a missing, truncated or
 reported and skipped. `latest` is not consulted: after a fall-back it may name a damaged tag.
 
 Resume (`load`) may change the world size, ZeRO stage and precision (lmsys.engine.reshard), not the
-model or the tokenizer (`check_compatible`).
+model, the tokenizer or the optimizer (`check_compatible`).
 """
 
 from __future__ import annotations
@@ -521,13 +521,24 @@ def model_differences(
     return ", ".join(diffs[:4]) + (f" and {len(diffs) - 4} more" if len(diffs) > 4 else "")
 
 
-def check_compatible(state: TrainState, model_dict: dict[str, Any], tokenizer_sha256: str) -> None:
-    """Refuse (CheckpointError) a resume whose model function or tokenizer differs. The world size,
-    ZeRO stage, precision and micro-batch size may change (`load` reshards); the global batch may
-    not (the batch plan and the loader refuse it)."""
+def check_compatible(
+    state: TrainState, model_dict: dict[str, Any], tokenizer_sha256: str, optimizer: str | None = None
+) -> None:
+    """Refuse (CheckpointError) a resume whose model function, tokenizer or optimizer (optim.name)
+    differs. The world size, ZeRO stage, precision and micro-batch size may change (`load`
+    reshards); the global batch may not (the batch plan and the loader refuse it)."""
     shown = model_differences(state.config.get("model"), model_dict, "checkpoint")
     if shown:
         raise CheckpointError(f"cannot resume: the model differs from the checkpoint's: {shown}")
+    saved_optimizer = (state.config.get("optim") or {}).get("name")
+    if optimizer is not None and saved_optimizer is not None and saved_optimizer != optimizer:
+        # AdamW's moments and Muon's momentum are different state: neither can continue the other
+        raise CheckpointError(
+            f"cannot resume: the checkpoint was trained with optim={saved_optimizer}, this run asks for "
+            f"optim={optimizer}, and one optimizer's state cannot continue the other's; resume with "
+            f"optim={saved_optimizer}, or export the checkpoint and start a new run from its weights "
+            f"with optim={optimizer} model.init_from=<the export>"
+        )
     if state.tokenizer_sha256 != tokenizer_sha256:
         raise CheckpointError(
             f"cannot resume: the data's tokenizer (sha256 {tokenizer_sha256[:12]}) differs from the "

@@ -89,7 +89,7 @@ def plan_run(
         found = ckpt.resolve(t.resume, warn)  # a checkpoint directory, or a run's newest intact one
     if found is not None:
         model_dict = config_to_dict(cfg)["model"]
-        ckpt.check_compatible(found.state, model_dict, tokenizer_sha256)
+        ckpt.check_compatible(found.state, model_dict, tokenizer_sha256, cfg.optim.name)
         resume_batch_plan(cfg, world_size, found.step)
     return RunPlan(run_dir, found, damaged)
 

@@ -73,6 +73,15 @@ def child_env() -> dict[str, str]:
     return env
 
 
+def start_job(command: list[str], cwd: Path, stdout: int = subprocess.PIPE) -> subprocess.Popen:
+    """A command started in a session of its own, as a terminal's foreground job: its process
+    group can be signalled or killed whole (stderr piped, text)."""
+    return subprocess.Popen(
+        command, cwd=cwd, env=child_env(), stdout=stdout, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+
+
 def train_command(nproc: int, overrides: list[str], max_restarts: int = 0) -> list[str]:
     if nproc == 1:
         return [sys.executable, "-m", "lmsys.train", *overrides]

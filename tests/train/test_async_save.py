@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from lmsys.engine import checkpoint as ckpt
-from tests.train.conftest import child_env, run_train, train_command
+from tests.train.conftest import run_train, start_job, train_command
 
 pytestmark = pytest.mark.slow
 
@@ -61,15 +61,7 @@ def test_kill9_during_a_save_resumes_from_the_last_committed_one(runs, tmp_path)
     run_dir = tmp_path / "run"
     base = [*runs.overrides("2proc-zero2"), "logger=none", f"trainer.run_dir={run_dir}"]
     slow = ["trainer.debug_step_delay_s=1.0", "trainer.debug_save_delay_s=1.5"]
-    proc = subprocess.Popen(
-        train_command(2, [*base, *slow]),
-        cwd=tmp_path,
-        env=child_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_job(train_command(2, [*base, *slow]), tmp_path, stdout=subprocess.DEVNULL)
     workers: list = []
     try:
         wait_until(proc, "checkpoint 4 in flight", lambda: in_flight(run_dir, 4))
@@ -106,15 +98,7 @@ def test_sigterm_while_a_save_is_pending_completes_it_and_exits_75(runs, tmp_pat
     overrides = [*runs.overrides("2proc-zero2"), "logger=none", f"trainer.run_dir={run_dir}"]
     overrides += ["trainer.debug_step_delay_s=0.5", "trainer.debug_save_delay_s=3"]
     command = [sys.executable, "-m", "launch.torchrun", "--nproc", "2", "--", *overrides]
-    proc = subprocess.Popen(
-        command,
-        cwd=tmp_path,
-        env=child_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_job(command, tmp_path)
     wait_until(proc, "checkpoint 2 in flight", lambda: in_flight(run_dir, 2))
     os.killpg(proc.pid, signal.SIGTERM)  # a scheduler's preemption: every process of the job
     out, err = proc.communicate(timeout=240)

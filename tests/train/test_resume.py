@@ -212,6 +212,24 @@ def test_resume_with_another_model_is_refused(runs, fallback_run, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_resume_with_another_optimizer_is_refused(runs, fallback_run, tmp_path):
+    """An AdamW checkpoint resumed with optim=muon: AdamW's moments cannot continue as Muon's
+    momentum, so the resume is one line naming both optimizers and the way to switch."""
+    run_dir = fallback_run.check().run_dir
+    before = snapshot(run_dir)
+    overrides = [o for o in runs.overrides("1proc") if not o.startswith("logger")] + ["logger=none"]
+    run = run_train("other-optimizer", 1, [*overrides, "optim=muon"], run_dir, cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    line = run.stderr.strip().splitlines()[-1]
+    assert line.startswith(
+        "lmsys-train: error: cannot resume: the checkpoint was trained with optim=adamw, this run "
+        "asks for optim=muon"
+    ), run.stderr
+    assert "resume with optim=adamw" in line and "model.init_from=" in line
+    assert "Traceback" not in run.stderr
+    assert snapshot(run_dir) == before
+
+
 def test_resume_with_another_batch_is_refused_and_leaves_the_run_as_it_was(runs, fallback_run, tmp_path):
     """The loader's saved position is in sequences of the old global batch: continuing with another
     batch would not reproduce the run. Refused once the checkpoint is read, before the run

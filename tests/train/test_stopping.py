@@ -16,7 +16,6 @@ import os
 import re
 import shlex
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from lmsys.engine import checkpoint as ckpt
-from tests.train.conftest import child_env, run_train, train_command
+from tests.train.conftest import run_train, start_job, train_command
 
 pytestmark = pytest.mark.slow
 
@@ -35,15 +34,7 @@ class Running:
 
     def __init__(self, command: list[str], run_dir: Path, cwd: Path) -> None:
         self.run_dir = run_dir
-        self.proc = subprocess.Popen(
-            command,
-            cwd=cwd,
-            env=child_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+        self.proc = start_job(command, cwd)
 
     def steps(self) -> list[int]:
         path = self.run_dir / "metrics.jsonl"
