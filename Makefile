@@ -36,8 +36,12 @@ train: $(VENV)/.installed
 	$(PY) -m lmsys.export $(RUN)
 	$(PY) -m lmsys.generate $(RUN)/export prompt="$(PROMPT)" max_new_tokens=60 temperature=0.8 top_k=40 seed=0
 
+# The suite in 3 parallel workers (tests/sharing.py: each test module runs whole on one worker;
+# the expensive session fixtures are made once for all): on 2 cores, one at a time left a third
+# idle while tests waited on their subprocesses. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 3
 test: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest -q --durations=25 $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

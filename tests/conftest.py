@@ -3,10 +3,15 @@
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
+import pytest
 import torch
 
 from tests import background
+from tests.sharing import xdist_worker
+
+EXPORT_TESTS = Path(__file__).resolve().parent / "export"
 
 # Without a GPU, Triton kernels run on CPU tensors through the interpreter. It must be chosen
 # before `triton` is first imported, which is why it lives here and not in a fixture.
@@ -33,14 +38,32 @@ def _background_fixtures(item) -> set[str]:
     return getattr(module, "BACKGROUND_JOBS", {}).keys() & set(getattr(item, "fixturenames", ()))
 
 
+def _xdist_group(item) -> str:
+    """The unit one parallel worker runs whole (tests/sharing.py): a test module, so its module
+    fixtures are made once; tests/export as one, since its session jobs (the DeepSpeed checkpoint
+    writers, the training runs) start with its first test and serve all of its modules."""
+    path = Path(str(item.path)).resolve()
+    if EXPORT_TESTS in path.parents:
+        return "tests/export"
+    return item.nodeid.split("::", 1)[0]
+
+
 def pytest_collection_modifyitems(session, config, items) -> None:
     """Tests that wait for a background job run last, when it has had the whole session to finish
-    (in their own order, so module-scoped fixtures are still set up once)."""
+    (in their own order, so module-scoped fixtures are still set up once). Under pytest-xdist each
+    test gets its worker group (_xdist_group)."""
     items.sort(key=lambda item: bool(_background_fixtures(item)))  # stable
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group(name=_xdist_group(item)))
 
 
 def pytest_collection_finish(session) -> None:
-    """Start the background jobs of the collected tests."""
+    """Start the background jobs of the collected tests. Not in a parallel worker: every worker
+    collects every test, so each would start them all; there a job starts when a test first
+    asks for it (background.result), on the worker that runs its module."""
+    if xdist_worker():
+        return
     jobs = {}
     for item in session.items:
         for name in _background_fixtures(item):

@@ -271,8 +271,9 @@ def pytest_collection_modifyitems(session, config, items):
         items[i] = item
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="package", autouse=True)
 def _start_jobs_early(request):
+    """At this directory's first test (on the one worker that runs tests/export under xdist)."""
     if any(_mine(item) and _needs_jobs(item) for item in request.session.items):
         request.getfixturevalue("jobs")
 

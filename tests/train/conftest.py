@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
+from tests.sharing import shared_dir
 from tests.stdlib_text import module_docstrings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -265,14 +267,24 @@ class RunCache:
         if case not in self._runs:
             name = CASES[case]
             spec = LAUNCHES[name]
-            env = child_env()
-            env["WANDB_API_KEY"] = FAKE_WANDB_KEY  # must never reach a file or the output
-            flags = [o for o in spec.overrides if o.startswith("-")]  # Hydra's -m goes first
-            rest = [o for o in spec.overrides if not o.startswith("-")]
-            overrides = [*flags, *data_overrides(self.data_dir), *rest]
-            run = run_train(name, spec.nproc, overrides, self.root / spec.run_dir, env=env, cwd=self.root)
+            # one launch for the whole session: the first worker to need it runs it, the others
+            # wait for it and read its outcome (tests/conftest.py: shared_dir)
+            with FileLock(self.root / f"{name}.lock"):
+                outcome = self.root / f"{name}.outcome.json"
+                if not outcome.is_file():
+                    env = child_env()
+                    env["WANDB_API_KEY"] = FAKE_WANDB_KEY  # must never reach a file or the output
+                    flags = [o for o in spec.overrides if o.startswith("-")]  # Hydra's -m goes first
+                    rest = [o for o in spec.overrides if not o.startswith("-")]
+                    overrides = [*flags, *data_overrides(self.data_dir), *rest]
+                    run = run_train(
+                        name, spec.nproc, overrides, self.root / spec.run_dir, env=env, cwd=self.root
+                    )
+                    done = [run.returncode, run.stdout, run.stderr, run.overrides]
+                    outcome.write_text(json.dumps(done), encoding="utf-8")
+                returncode, stdout, stderr, overrides = json.loads(outcome.read_text(encoding="utf-8"))
             for c in spec.cases:
-                self._runs[c] = Run(c, self.root / c, run.returncode, run.stdout, run.stderr, run.overrides)
+                self._runs[c] = Run(c, self.root / c, returncode, stdout, stderr, overrides)
         return self._runs[case]
 
 
@@ -296,21 +308,23 @@ def _write_corpus(directory: Path) -> None:
 @pytest.fixture(scope="session")
 def prepared_data(tmp_path_factory) -> Path:
     """A prepared dataset (vocabulary 512) made once via `python -m lmsys.prepare`."""
-    root = tmp_path_factory.mktemp("train_data")
+    root = shared_dir(tmp_path_factory, "train_data")
     corpus, out = root / "corpus", root / "prepared"
-    _write_corpus(corpus)
-    proc = subprocess.run(
-        [sys.executable, "-m", "lmsys.prepare", f"data.sources=[{corpus}]", f"data.dir={out}",
-         f"model.vocab_size={VOCAB}", "data.val_fraction=0.1"],
-        cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    with FileLock(root / ".lock"):  # made once for every worker of the session
+        if not (out / "manifest.json").is_file():
+            _write_corpus(corpus)
+            proc = subprocess.run(
+                [sys.executable, "-m", "lmsys.prepare", f"data.sources=[{corpus}]", f"data.dir={out}",
+                 f"model.vocab_size={VOCAB}", "data.val_fraction=0.1"],
+                cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True, timeout=300,
+            )  # fmt: skip
+            assert proc.returncode == 0, proc.stderr
     return out
 
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory, prepared_data) -> RunCache:
-    return RunCache(tmp_path_factory.mktemp("train_runs"), prepared_data)
+    return RunCache(shared_dir(tmp_path_factory, "train_runs"), prepared_data)
 
 
 def copy_run(run: Run, dest: Path) -> Path:
