@@ -41,7 +41,7 @@ train: $(VENV)/.installed
 # idle while tests waited on their subprocesses. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 3
 test: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --durations=25 $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

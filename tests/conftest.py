@@ -3,7 +3,6 @@
 import os
 import shutil
 import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ import torch
 from tests import background
 from tests.sharing import xdist_worker
 
-EXPORT_TESTS = Path(__file__).resolve().parent / "export"
+EXPORT_TESTS = "tests/export"  # as node ids name it (relative to the repository)
 
 # Without a GPU, Triton kernels run on CPU tensors through the interpreter. It must be chosen
 # before `triton` is first imported, which is why it lives here and not in a fixture.
@@ -38,24 +37,26 @@ def _background_fixtures(item) -> set[str]:
     return getattr(module, "BACKGROUND_JOBS", {}).keys() & set(getattr(item, "fixturenames", ()))
 
 
-def _xdist_group(item) -> str:
-    """The unit one parallel worker runs whole (tests/sharing.py): a test module, so its module
-    fixtures are made once; tests/export as one, since its session jobs (the DeepSpeed checkpoint
-    writers, the training runs) start with its first test and serve all of its modules."""
-    path = Path(str(item.path)).resolve()
-    if EXPORT_TESTS in path.parents:
-        return "tests/export"
-    return item.nodeid.split("::", 1)[0]
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: absent when pytest-xdist is not installed
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (make test), the unit one worker runs whole (tests/sharing.py): a test
+    module, so its module fixtures are made once; tests/export as one, since its session jobs
+    (the DeepSpeed checkpoint writers, the training runs) start with its first test and serve
+    all of its modules."""
+    from xdist.scheduler import LoadScopeScheduling  # only where xdist runs the session
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return EXPORT_TESTS if module.startswith(EXPORT_TESTS + "/") else module
+
+    return ModuleScheduling(config, log)
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
     """Tests that wait for a background job run last, when it has had the whole session to finish
-    (in their own order, so module-scoped fixtures are still set up once). Under pytest-xdist each
-    test gets its worker group (_xdist_group)."""
+    (in their own order, so module-scoped fixtures are still set up once)."""
     items.sort(key=lambda item: bool(_background_fixtures(item)))  # stable
-    if config.pluginmanager.hasplugin("xdist"):
-        for item in items:
-            item.add_marker(pytest.mark.xdist_group(name=_xdist_group(item)))
 
 
 def pytest_collection_finish(session) -> None:

@@ -1,7 +1,7 @@
 """What the workers of one test session share when it runs in parallel (`make test`: pytest-xdist,
-`-n 3 --dist loadgroup`): the expensive session fixtures are made once, under a file lock, in a
-directory every worker sees; each test module runs whole on one worker (tests/conftest.py groups
-them), so module fixtures are made once too. Without xdist the same code runs in one process.
+`-n 3`): the expensive session fixtures are made once, under a file lock, in a
+directory every worker sees; each test module runs whole on one worker (tests/conftest.py's
+scheduler), so module fixtures are made once too. Without xdist the same code runs in one process.
 
 Why in parallel at all: most of a test's time is a subprocess starting (torch, DeepSpeed) or
 waiting (a rank's step delay, a rendezvous, a SLURM requeue); one at a time, the suite left about
