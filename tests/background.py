@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.sharing import xdist_worker
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 CommandFactory = Callable[[Path], tuple[list[str], dict[str, str]]]
@@ -58,7 +60,7 @@ def start(name: str, factory: CommandFactory) -> None:
             # Its own process group (stop() ends its workers too) but not its own session: with the
             # kernel's autogroup scheduling a new session would be a new group with a fair share of
             # the CPU, whatever its nice value.
-            preexec_fn=_lowest_priority, process_group=0,
+            preexec_fn=None if xdist_worker() else _lowest_priority, process_group=0,
         )  # fmt: skip
     _JOBS[name] = Job(proc, out, time.perf_counter())
 
