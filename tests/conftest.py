@@ -39,10 +39,10 @@ def _background_fixtures(item) -> set[str]:
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: absent when pytest-xdist is not installed
 def pytest_xdist_make_scheduler(config, log):
-    """Under pytest-xdist (make test TEST_WORKERS=3), the unit one worker runs whole (tests/sharing.py): a test
-    module, so its module fixtures are made once; tests/export as one, since its session jobs
-    (the DeepSpeed checkpoint writers, the training runs) start with its first test and serve
-    all of its modules."""
+    """Under pytest-xdist (make test TEST_WORKERS=3), the unit one worker runs whole
+    (tests/sharing.py): a test module, so its module fixtures are made once; tests/export as
+    one, since its session jobs (the DeepSpeed checkpoint writers, the training runs) start
+    with its first test and serve all of its modules."""
     from xdist.scheduler import LoadScopeScheduling  # only where xdist runs the session
 
     class ModuleScheduling(LoadScopeScheduling):
