@@ -36,11 +36,11 @@ train: $(VENV)/.installed
 	$(PY) -m lmsys.export $(RUN)
 	$(PY) -m lmsys.generate $(RUN)/export prompt="$(PROMPT)" max_new_tokens=60 temperature=0.8 top_k=40 seed=0
 
-# TEST_WORKERS=3 runs the suite in 3 pytest-xdist workers (tests/sharing.py: each test module whole
-# on one worker, the expensive session fixtures made once for all): 28 min of pytest instead of
-# about 40 on 2 cores, but the kernels.inspect subset job (tests/kernels/test_inspect.py) does not
-# finish there yet (docs/DESIGN.md), so CI runs one process (TEST_WORKERS=0).
-TEST_WORKERS ?= 0
+# The suite runs in 3 pytest-xdist workers (tests/sharing.py: each test module whole on one worker,
+# the longest first, the expensive session fixtures made once for all): about 31 min of pytest
+# instead of about 40 in one process on 2 cores (docs/performance.md). TEST_WORKERS=0 runs one
+# process (a debugger, -x, a single module's output in order).
+TEST_WORKERS ?= 3
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --durations=25 $(PYTEST_ARGS)
 

@@ -12,6 +12,28 @@ from tests.sharing import xdist_worker
 
 EXPORT_TESTS = "tests/export"  # as node ids name it (relative to the repository)
 
+# The units that take longest under `make test` (3 workers), longest first (seconds of wall time
+# per unit, 2026-11-27, docs/performance.md): they start first, so no long unit is left to run alone
+# at the end. tests/kernels/test_inspect.py waits for its kernels.inspect job (about 7 CPU-minutes),
+# which starts with it. Units not named follow, the largest (in tests) first.
+SLOWEST_SCOPES = (
+    "tests/kernels/test_inspect.py",  # 654
+    EXPORT_TESTS,  # 762
+    "tests/launch/test_slurm.py",  # 273
+    "tests/train/test_matrix.py",  # 270
+    "tests/model/test_compile.py",  # 258
+    "tests/launch/test_sweep.py",  # 239
+    "tests/launch/test_torchrun.py",  # 222
+    "tests/test_docs_commands.py",  # 218
+    "tests/kernels/test_flash_attention.py",  # 212
+    "tests/model/test_properties.py",  # 196
+    "tests/train/test_reshard.py",  # 184
+    "tests/kernels/test_linear_cross_entropy.py",  # 170
+    "tests/train/test_resume.py",  # 166
+    "tests/train/test_runlock.py",  # 156
+    "tests/train/test_compile_train.py",  # 125
+)
+
 # Without a GPU, Triton kernels run on CPU tensors through the interpreter. It must be chosen
 # before `triton` is first imported, which is why it lives here and not in a fixture.
 if not torch.cuda.is_available():
@@ -39,7 +61,7 @@ def _background_fixtures(item) -> set[str]:
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: absent when pytest-xdist is not installed
 def pytest_xdist_make_scheduler(config, log):
-    """Under pytest-xdist (make test TEST_WORKERS=3), the unit one worker runs whole
+    """Under pytest-xdist (make test: 3 workers), the unit one worker runs whole
     (tests/sharing.py): a test module, so its module fixtures are made once; tests/export as
     one, since its session jobs (the DeepSpeed checkpoint writers, the training runs) start
     with its first test and serve all of its modules."""
@@ -49,6 +71,29 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
             return EXPORT_TESTS if module.startswith(EXPORT_TESTS + "/") else module
+
+        def schedule(self) -> None:
+            # Longest first (xdist's own order is by number of tests, which leaves the few long
+            # tests of the launch modules for the end, one worker busy while the others idle).
+            if self.collection is None:
+                self.config.option.loadscopereorder = False
+                for node, collection in self.registered_collections.items():
+                    self.registered_collections[node] = sorted(collection, key=self._start_order)
+            super().schedule()
+
+        def _start_order(self, nodeid: str) -> tuple[int, int]:
+            scope = self._split_scope(nodeid)
+            slow = SLOWEST_SCOPES.index(scope) if scope in SLOWEST_SCOPES else len(SLOWEST_SCOPES)
+            return slow, -self._scope_sizes().get(scope, 0)
+
+        def _scope_sizes(self) -> dict[str, int]:
+            if not hasattr(self, "_sizes"):
+                collection = next(iter(self.registered_collections.values()))
+                self._sizes: dict[str, int] = {}
+                for nodeid in collection:
+                    scope = self._split_scope(nodeid)
+                    self._sizes[scope] = self._sizes.get(scope, 0) + 1
+            return self._sizes
 
     return ModuleScheduling(config, log)
 

@@ -1,5 +1,5 @@
 """What the workers of one test session share when it runs in parallel (pytest-xdist:
-`make test TEST_WORKERS=3`): the expensive session fixtures are made once, under a file lock, in a
+`make test`, 3 workers): the expensive session fixtures are made once, under a file lock, in a
 directory every worker sees; each test module runs whole on one worker (tests/conftest.py's
 scheduler), so module fixtures are made once too. Without xdist the same code runs in one process.
 
