@@ -13,9 +13,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,6 +101,45 @@ def train_command(nproc: int, overrides: list[str], max_restarts: int = 0) -> li
         "lmsys.train",
         *overrides,
     ]
+
+
+def kill9_after_checkpoint(
+    overrides: list[str], root: Path, step: int = 4
+) -> tuple[Path, list[int], list[int]]:
+    """A 2-process run in root/run, slowed to 1 s per step, and SIGKILL to its torchrun launcher's
+    process group as soon as checkpoint `step` is complete. torchrun starts each worker in its own
+    session, so the workers only die because lmsys.train asks the kernel to kill them with their
+    parent (PR_SET_PDEATHSIG); any survivor is killed here and reported to the caller.
+    Returns (run_dir, steps logged before the kill, pids of workers that outlived the launcher)."""
+    import psutil
+
+    from lmsys.engine import checkpoint as ckpt
+    from lmsys.engine.rundir import read_metrics
+
+    run_dir = root / "run"
+    overrides = [*overrides, "trainer.debug_step_delay_s=1.0", f"trainer.run_dir={run_dir}"]
+    proc = start_job(train_command(2, overrides), root, stdout=subprocess.DEVNULL)
+    marker = run_dir / ckpt.CHECKPOINTS / f"step_{step:07d}" / ckpt.MARKER
+    deadline = time.monotonic() + 300
+    workers: list = []
+    try:
+        while not marker.exists():
+            if proc.poll() is not None:
+                pytest.fail(f"the run ended before it could be killed:\n{proc.stderr.read()}")
+            if time.monotonic() > deadline:
+                pytest.fail("no checkpoint within 300 s")
+            time.sleep(0.05)
+        workers = psutil.Process(proc.pid).children(recursive=True)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stderr.close()
+    _, survivors = psutil.wait_procs(workers, timeout=20)
+    for p in survivors:
+        p.kill()
+    psutil.wait_procs(survivors, timeout=20)
+    steps = [r["step"] for r in read_metrics(run_dir, "train")]
+    return run_dir, steps, [p.pid for p in survivors]
 
 
 @dataclass

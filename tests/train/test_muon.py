@@ -4,9 +4,9 @@
   the losses are the 1-process ZeRO-2 run's within 1e-5 relative;
 - it is Muon (the optimizer named, losses unlike AdamW's, it learns), and its state is in the
   checkpoint: Muon's momentum for the blocks' matrices, Adam's moments and step for the rest;
-- resume: the step-4 checkpoint continued at its own layout gives steps 5-6 bit for bit (what a
-  resume after kill -9 does: tests/train/test_resume.py kills AdamW runs), and continued on
-  another world size and ZeRO stage (lmsys/engine/reshard.py) within 1e-5;
+- resume: the step-4 checkpoint continued at its own layout gives steps 5-6 bit for bit, and so
+  does the same command after kill -9 of the whole job once that checkpoint is complete; continued
+  on another world size and ZeRO stage (lmsys/engine/reshard.py), within 1e-5;
 - the weights DeepSpeed consolidates (what lmsys-export reads) are the saved master weights.
 """
 
@@ -23,7 +23,7 @@ from lmsys.engine.muon import split_parameters
 from lmsys.engine.reshard import MOMENTS, MUON_MOMENTS, SavedState, trainable_in_optimizer_order
 from lmsys.engine.zero import LossModule, consolidated_state_dict, lr_at
 from lmsys.model.transformer import Transformer
-from tests.train.conftest import MAX_STEPS, copy_run, run_train
+from tests.train.conftest import MAX_STEPS, copy_run, kill9_after_checkpoint, run_train
 from tests.train.test_matrix import assert_losses_close
 
 pytestmark = pytest.mark.slow
@@ -99,3 +99,12 @@ def test_muon_resumes(runs, tmp_path, source, stage, nproc, exact):
     else:
         for s in (5, 6):
             assert run.losses()[s] == pytest.approx(want[s], rel=1e-5), (run.losses(), want)
+
+
+def test_muon_resume_after_kill9_is_exact(runs, tmp_path):
+    overrides = [*runs.overrides("2proc-zero2-muon"), "logger=none"]
+    run_dir, steps, survivors = kill9_after_checkpoint(overrides, tmp_path)
+    assert 4 <= max(steps) < MAX_STEPS and survivors == [], (steps, survivors)
+    run = run_train("resumed", 2, overrides, run_dir, cwd=tmp_path).check()
+    assert "resumed from" in run.stdout and "step_0000004 (step 4)" in run.stdout, run.stdout
+    assert run.losses() == runs.get("2proc-zero2-muon").check().losses()  # bit for bit, steps 1-6

@@ -11,16 +11,21 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import subprocess
 import time
 
 import pytest
 
 from lmsys.engine import checkpoint as ckpt
-from tests.train.conftest import MAX_STEPS, child_env, copy_run, run_train, train_command
+from tests.train.conftest import (
+    MAX_STEPS,
+    child_env,
+    copy_run,
+    kill9_after_checkpoint,
+    run_train,
+    train_command,
+)
 from tests.train.reference import plain_losses
 
 pytestmark = pytest.mark.slow
@@ -41,52 +46,8 @@ WANDB = ["logger=wandb_offline", "logger.log_interval=1"]
 
 @pytest.fixture(scope="module")
 def killed_run(runs, tmp_path_factory):
-    """2 processes, ZeRO-2, slowed to 1 s per step; SIGKILL to the torchrun launcher as soon as
-    checkpoint step_0000004 is complete. torchrun starts each worker in its own session, so the
-    workers only die because lmsys.train asks the kernel to kill them with their parent
-    (PR_SET_PDEATHSIG); any survivor is killed here and reported by a test.
-    Returns (run_dir, steps logged before the kill, pids of workers that outlived the launcher)."""
-    import psutil
-
-    root = tmp_path_factory.mktemp("killed")
-    run_dir = root / "run"
-    overrides = [
-        *runs.overrides("2proc-zero2"),
-        *WANDB,
-        "trainer.debug_step_delay_s=1.0",
-        f"trainer.run_dir={run_dir}",
-    ]
-    proc = subprocess.Popen(
-        train_command(2, overrides),
-        cwd=root,
-        env=child_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    marker = run_dir / ckpt.CHECKPOINTS / "step_0000004" / ckpt.MARKER
-    deadline = time.monotonic() + 300
-    workers: list = []
-    try:
-        while not marker.exists():
-            if proc.poll() is not None:
-                pytest.fail(f"the run ended before it could be killed:\n{proc.stderr.read().decode()}")
-            if time.monotonic() > deadline:
-                pytest.fail("no checkpoint within 300 s")
-            time.sleep(0.05)
-        workers = psutil.Process(proc.pid).children(recursive=True)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        proc.stderr.close()
-    _, survivors = psutil.wait_procs(workers, timeout=20)
-    for p in survivors:
-        p.kill()
-    psutil.wait_procs(survivors, timeout=20)
-    from lmsys.engine.rundir import read_metrics
-
-    steps = [r["step"] for r in read_metrics(run_dir, "train")]
-    return run_dir, steps, [p.pid for p in survivors]
+    """The 2-process ZeRO-2 run, killed (SIGKILL) once step_0000004 is complete (kill9_after_checkpoint)."""
+    return kill9_after_checkpoint([*runs.overrides("2proc-zero2"), *WANDB], tmp_path_factory.mktemp("killed"))
 
 
 @pytest.fixture(scope="module")
