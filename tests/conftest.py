@@ -3,6 +3,7 @@
 import os
 import shutil
 import tempfile
+from collections import Counter
 
 import pytest
 import torch
@@ -69,39 +70,41 @@ def pytest_xdist_make_scheduler(config, log):
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return EXPORT_TESTS if module.startswith(EXPORT_TESTS + "/") else module
+            return worker_unit(nodeid)
 
         def schedule(self) -> None:
-            # Longest first (xdist's own order is by number of tests, which leaves the few long
-            # tests of the launch modules for the end, one worker busy while the others idle).
-            if self.collection is None:
-                self.config.option.loadscopereorder = False
-                for node, collection in self.registered_collections.items():
-                    self.registered_collections[node] = sorted(collection, key=self._start_order)
+            # The workers' collection order (pytest_collection_modifyitems: the longest units
+            # first) is the order units are sent in; xdist's own (by number of tests) would leave
+            # the few long tests of the launch modules to the end. The order must be the workers'
+            # own: xdist sends each worker indexes into its collection.
+            self.config.option.loadscopereorder = False
             super().schedule()
-
-        def _start_order(self, nodeid: str) -> tuple[int, int]:
-            scope = self._split_scope(nodeid)
-            slow = SLOWEST_SCOPES.index(scope) if scope in SLOWEST_SCOPES else len(SLOWEST_SCOPES)
-            return slow, -self._scope_sizes().get(scope, 0)
-
-        def _scope_sizes(self) -> dict[str, int]:
-            if not hasattr(self, "_sizes"):
-                collection = next(iter(self.registered_collections.values()))
-                self._sizes: dict[str, int] = {}
-                for nodeid in collection:
-                    scope = self._split_scope(nodeid)
-                    self._sizes[scope] = self._sizes.get(scope, 0) + 1
-            return self._sizes
 
     return ModuleScheduling(config, log)
 
 
+def worker_unit(nodeid: str) -> str:
+    """What one xdist worker runs whole: a test module, or tests/export."""
+    module = nodeid.split("::", 1)[0]
+    return EXPORT_TESTS if module.startswith(EXPORT_TESTS + "/") else module
+
+
 def pytest_collection_modifyitems(session, config, items) -> None:
     """Tests that wait for a background job run last, when it has had the whole session to finish
-    (in their own order, so module-scoped fixtures are still set up once)."""
-    items.sort(key=lambda item: bool(_background_fixtures(item)))  # stable
+    (in their own order, so module-scoped fixtures are still set up once). In an xdist worker, the
+    units are ordered longest first (SLOWEST_SCOPES, then the largest), and a unit's tests that
+    wait for its background job last within it."""
+    if not xdist_worker():
+        items.sort(key=lambda item: bool(_background_fixtures(item)))  # stable
+        return
+    sizes = Counter(worker_unit(item.nodeid) for item in items)
+
+    def start_order(item) -> tuple[int, int, str, bool]:
+        unit = worker_unit(item.nodeid)
+        slow = SLOWEST_SCOPES.index(unit) if unit in SLOWEST_SCOPES else len(SLOWEST_SCOPES)
+        return slow, -sizes[unit], unit, bool(_background_fixtures(item))
+
+    items.sort(key=start_order)
 
 
 def pytest_collection_finish(session) -> None:
