@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,32 +104,37 @@ def train_command(nproc: int, overrides: list[str], max_restarts: int = 0) -> li
     ]
 
 
-def kill9_after_checkpoint(
-    overrides: list[str], root: Path, step: int = 4
+def wait_until(proc: subprocess.Popen, what: str, ready: Callable[[], bool], timeout_s: float = 300) -> None:
+    """Poll ready() until it holds; the test fails (and the job is killed) if the job ends first or
+    timeout_s passes."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before {what}:\n{proc.stderr.read() if proc.stderr else ''}")
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"no {what} within {timeout_s} s")
+        time.sleep(0.02)
+
+
+def kill9_when(
+    overrides: list[str], root: Path, what: str, ready: Callable[[Path], bool]
 ) -> tuple[Path, list[int], list[int]]:
-    """A 2-process run in root/run, slowed to 1 s per step, and SIGKILL to its torchrun launcher's
-    process group as soon as checkpoint `step` is complete. torchrun starts each worker in its own
-    session, so the workers only die because lmsys.train asks the kernel to kill them with their
-    parent (PR_SET_PDEATHSIG); any survivor is killed here and reported to the caller.
+    """A 2-process run in root/run, and SIGKILL to its torchrun launcher's process group as soon as
+    ready(run_dir) holds. torchrun starts each worker in its own session, so the workers only die
+    because lmsys.train asks the kernel to kill them with their parent (PR_SET_PDEATHSIG); any
+    survivor is killed here and reported to the caller.
     Returns (run_dir, steps logged before the kill, pids of workers that outlived the launcher)."""
     import psutil
 
-    from lmsys.engine import checkpoint as ckpt
     from lmsys.engine.rundir import read_metrics
 
     run_dir = root / "run"
-    overrides = [*overrides, "trainer.debug_step_delay_s=1.0", f"trainer.run_dir={run_dir}"]
-    proc = start_job(train_command(2, overrides), root, stdout=subprocess.DEVNULL)
-    marker = run_dir / ckpt.CHECKPOINTS / f"step_{step:07d}" / ckpt.MARKER
-    deadline = time.monotonic() + 300
+    command = train_command(2, [*overrides, f"trainer.run_dir={run_dir}"])
+    proc = start_job(command, root, stdout=subprocess.DEVNULL)
     workers: list = []
     try:
-        while not marker.exists():
-            if proc.poll() is not None:
-                pytest.fail(f"the run ended before it could be killed:\n{proc.stderr.read()}")
-            if time.monotonic() > deadline:
-                pytest.fail("no checkpoint within 300 s")
-            time.sleep(0.05)
+        wait_until(proc, what, lambda: ready(run_dir))
         workers = psutil.Process(proc.pid).children(recursive=True)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -140,6 +146,20 @@ def kill9_after_checkpoint(
     psutil.wait_procs(survivors, timeout=20)
     steps = [r["step"] for r in read_metrics(run_dir, "train")]
     return run_dir, steps, [p.pid for p in survivors]
+
+
+def kill9_after_checkpoint(
+    overrides: list[str], root: Path, step: int = 4
+) -> tuple[Path, list[int], list[int]]:
+    """kill9_when checkpoint `step` is committed, the run slowed to 1 s per step so that the kill
+    lands before the next one."""
+    from lmsys.engine import checkpoint as ckpt
+
+    def committed(run_dir: Path) -> bool:
+        return (run_dir / ckpt.CHECKPOINTS / ckpt.tag_for(step) / ckpt.MARKER).exists()
+
+    slowed = [*overrides, "trainer.debug_step_delay_s=1.0"]
+    return kill9_when(slowed, root, f"checkpoint {step}", committed)
 
 
 @dataclass

@@ -17,15 +17,12 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
-import time
 
-import psutil
 import pytest
 
 from lmsys.engine import checkpoint as ckpt
-from tests.train.conftest import run_train, start_job, train_command
+from tests.train.conftest import kill9_when, run_train, start_job, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -38,39 +35,20 @@ def checkpoint_rows(run_dir) -> list[dict]:
 
 def in_flight(run_dir, step: int, world_size: int = 2) -> bool:
     """The save of `step` has written every rank's files and is not committed (the debug pause)."""
-    tmp = run_dir / ckpt.CHECKPOINTS / f".tmp-step_{step:07d}"
+    tag = ckpt.tag_for(step)
+    tmp = run_dir / ckpt.CHECKPOINTS / f"{ckpt.TMP_PREFIX}{tag}"
     written = all((tmp / f"rank_{r:05d}.json").is_file() for r in range(world_size))
-    return written and not (run_dir / ckpt.CHECKPOINTS / f"step_{step:07d}").exists()
-
-
-def wait_until(proc: subprocess.Popen, what: str, ready, timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ready():
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended before {what}:\n{proc.stderr.read() if proc.stderr else ''}")
-        if time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"no {what} within {timeout_s} s")
-        time.sleep(0.02)
+    return written and not (run_dir / ckpt.CHECKPOINTS / tag).exists()
 
 
 def test_kill9_during_a_save_resumes_from_the_last_committed_one(runs, tmp_path):
     """Steps of 1 s, a save every 2 steps held 1.5 s before its commit: checkpoint 2 commits,
     then the job is killed while checkpoint 4 waits for its commit."""
     reference = runs.get("2proc-zero2").check()
-    run_dir = tmp_path / "run"
-    base = [*runs.overrides("2proc-zero2"), "logger=none", f"trainer.run_dir={run_dir}"]
+    base = [*runs.overrides("2proc-zero2"), "logger=none"]
     slow = ["trainer.debug_step_delay_s=1.0", "trainer.debug_save_delay_s=1.5"]
-    proc = start_job(train_command(2, [*base, *slow]), tmp_path, stdout=subprocess.DEVNULL)
-    workers: list = []
-    try:
-        wait_until(proc, "checkpoint 4 in flight", lambda: in_flight(run_dir, 4))
-        workers = psutil.Process(proc.pid).children(recursive=True)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher; its workers die with it (PR_SET_PDEATHSIG)
-        proc.wait()
-        proc.stderr.close()
-    _, survivors = psutil.wait_procs(workers, timeout=20)
+    what = "checkpoint 4 in flight"
+    run_dir, _, survivors = kill9_when([*base, *slow], tmp_path, what, lambda d: in_flight(d, 4))
     assert survivors == []
     root = run_dir / ckpt.CHECKPOINTS
     assert ckpt.find_latest(run_dir, pytest.fail).step == 2  # the partial 4 is not even listed
@@ -78,7 +56,8 @@ def test_kill9_during_a_save_resumes_from_the_last_committed_one(runs, tmp_path)
     # a damaged newer checkpoint (no marker) to pass over; keep the last 2 from now on
     shutil.copytree(root / "step_0000002", root / "step_0000003")
     (root / "step_0000003" / ckpt.MARKER).unlink()
-    resumed = run_train("resumed", 2, [*base, "trainer.keep_last=2"], run_dir, cwd=tmp_path).check()
+    resumed_overrides = [*base, f"trainer.run_dir={run_dir}", "trainer.keep_last=2"]
+    resumed = run_train("resumed", 2, resumed_overrides, run_dir, cwd=tmp_path).check()
     assert "step_0000002 (step 2)" in resumed.stdout, resumed.stdout
     assert resumed.losses() == reference.losses()  # bit for bit
     assert sorted(p.name for p in root.glob("step_*")) == ["step_0000004", "step_0000006"]

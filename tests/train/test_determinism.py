@@ -9,6 +9,7 @@ import subprocess
 import pytest
 import torch
 
+from lmsys.engine.checkpoint import CHECKPOINTS, tag_for
 from lmsys.engine.zero import consolidated_state_dict
 from tests.train.conftest import Run, child_env, train_command
 
@@ -34,7 +35,7 @@ def test_two_deterministic_runs_are_bitwise_equal(runs, tmp_path):
     assert [float(x).hex() for x in losses_a.values()] == [float(x).hex() for x in losses_b.values()]
     saved = {}
     for step in (2, 4):  # trainer.save_interval=2
-        tag = f"checkpoints/step_{step:07d}"
+        tag = f"{CHECKPOINTS}/{tag_for(step)}"
         weights_a = consolidated_state_dict(a.run_dir / tag, zero_stage=2)
         weights_b = consolidated_state_dict(b.run_dir / tag, zero_stage=2)
         assert weights_a.keys() == weights_b.keys() and weights_a

@@ -140,7 +140,7 @@ def test_ctrl_c_saves_the_step_in_one_line_and_exits_130(runs, tmp_path, nproc):
             job.steps_at[acks[0]],
             err,
         )  # at once, not at the step's end
-    tag = run_dir / "checkpoints" / f"step_{step:07d}"
+    tag = run_dir / ckpt.CHECKPOINTS / ckpt.tag_for(step)
     want = f"lmsys-train: interrupted: saving step {step} ... saved {tag}; continue with: "
     assert line == want + continued(prefix, overrides, run_dir)
     assert ckpt.find_latest(run_dir, pytest.fail).tag_dir == tag
@@ -185,7 +185,7 @@ def test_a_second_ctrl_c_during_the_save_abandons_it_and_damages_nothing(runs, t
     # (not a periodic save still in flight).
     job.wait_for("the Ctrl-C acknowledgement", lambda: any("Ctrl-C:" in line for line in job.lines))
     acked = int(re.search(r"stopping after step (\d+)", next(x for x in job.lines if "Ctrl-C:" in x))[1])
-    stop_save = run_dir / "checkpoints" / f".tmp-step_{acked:07d}"
+    stop_save = run_dir / ckpt.CHECKPOINTS / f"{ckpt.TMP_PREFIX}{ckpt.tag_for(acked)}"
     job.wait_for(f"the stop's checkpoint (step {acked}) being written", stop_save.exists)
     job.signal_group(signal.SIGINT)
     code, out, err = job.finish()
@@ -195,7 +195,7 @@ def test_a_second_ctrl_c_during_the_save_abandons_it_and_damages_nothing(runs, t
     # the abandoned save is not visible, half-written or not; the newest is one committed before
     # it (2, or a periodic save of step 4 the background writer committed first), intact
     visible = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
-    assert f"step_{acked:07d}" not in visible and "step_0000002" in visible, visible
+    assert ckpt.tag_for(acked) not in visible and "step_0000002" in visible, visible
     found = ckpt.find_latest(run_dir, pytest.fail)
     assert found.step < acked and ckpt.verify(found.tag_dir)["state"]["step"] == found.step
     for name in visible:
