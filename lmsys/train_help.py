@@ -36,6 +36,7 @@ KEY_HELP = [
     ("trainer.compile", "torch.compile the model: auto (on CUDA) | true | false"),
     ("logger.wandb", "offline | online (needs WANDB_API_KEY) | disabled"),
     ("logger.console_interval", "steps between progress lines in a log file (no terminal)"),
+    ("logger.plot", "draw <run_dir>/loss.png when the run ends (false: skip matplotlib)"),
     ("trainer.progress", "the progress bar in a terminal (false: progress lines instead)"),
     ("trainer.deterministic", "bitwise-equal reruns (deterministic torch ops, fixed kernel tilings)"),
     ("trainer.hang_timeout_s", "no progress this long: name the stuck ranks, end the job, exit 86 (0: off)"),

@@ -193,6 +193,9 @@ class LoggerConfig:
     # steps between plain progress lines when the console is not a terminal (a log file, a pipe,
     # SLURM) or trainer.progress=false; a terminal shows the progress bar instead
     console_interval: int = 10
+    # rank 0 draws <run_dir>/loss.png when the run ends (matplotlib: about a second of CPU); false
+    # skips it (thousands of short sweep jobs, CI); metrics.jsonl holds the same numbers
+    plot: bool = True
 
 
 @dataclass

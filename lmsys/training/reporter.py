@@ -32,9 +32,10 @@ from lmsys.training.plots import plot_losses
 class Reporter:
     """The one place a training run reports through (module docstring)."""
 
-    def __init__(self, console: Console, log_interval: int) -> None:
+    def __init__(self, console: Console, log_interval: int, plot: bool = True) -> None:
         self.console = console
         self.log_interval = log_interval
+        self.plot = plot  # logger.plot: loss.png when the run closes
         self.logger: MetricsLogger | None = None
         self.first_step: int | None = None  # of this launch
         self.max_steps: int | None = None
@@ -128,11 +129,11 @@ class Reporter:
             self.logger.summary(values)
 
     def close(self, exit_code: int = 0, run_dir: Path | None = None) -> None:
-        """Close metrics.jsonl and W&B (with the run's exit status) and draw loss.png (rank 0).
-        Safe to call again: only the first call does anything."""
+        """Close metrics.jsonl and W&B (with the run's exit status) and draw loss.png (rank 0,
+        logger.plot). Safe to call again: only the first call does anything."""
         if self.logger is None:
             return
         logger, self.logger = self.logger, None
         logger.close(exit_code=exit_code)
-        if run_dir is not None:
+        if run_dir is not None and self.plot:
             plot_losses(run_dir)

@@ -101,7 +101,7 @@ class Trainer:
         self.memory, self.baseline_rss = memory, rss_bytes()  # before the model: lmsys.training.planning
         cfg = replace(cfg, optim=replace(cfg.optim, decay_steps=schedule_horizon(cfg, run.resume)))
         self.cfg, self.setup, self.run_dir, self.console = cfg, setup, run.run_dir, console
-        self.report = Reporter(console, cfg.logger.log_interval)
+        self.report = Reporter(console, cfg.logger.log_interval, cfg.logger.plot)
         self.faults = Faults.of(t, setup.rank, setup.world_size, restarts=elastic_ids()[1])
         seed_everything(t.seed)  # identical initialisation on every rank
         # each Triton kernel the run uses against its torch reference on this device (own RNG)

@@ -302,7 +302,8 @@ def jobs(tmp_path_factory, data_dir) -> dict[str, Job]:
         f"trainer.global_batch_tokens={TRAIN_BATCH * SEQ}", "trainer.micro_batch_size=4",
         "trainer.eval_interval=3", "trainer.eval_batches=2", "trainer.save_interval=3",
         "trainer.progress=false", "trainer.dist_timeout_s=120", "trainer.hang_timeout_s=100",
-        "optim.lr=3e-3", "optim.warmup_steps=2", "logger=none", f"trainer.run_dir={run_dir}",
+        "optim.lr=3e-3", "optim.warmup_steps=2", "logger=none", "logger.plot=false",
+        f"trainer.run_dir={run_dir}",
     ]  # fmt: skip
     started["train"] = Job("torchrun -m lmsys.train", _torchrun(2, "-m", "lmsys.train", *overrides), run_dir)
     short_dir = tmp_path_factory.mktemp("trained_short") / "run"
@@ -310,7 +311,7 @@ def jobs(tmp_path_factory, data_dir) -> dict[str, Job]:
         "model=tiny", *model, f"data.seq_len={SHORT_SEQ}", f"data.dir={data_dir}", "trainer.max_steps=2",
         f"trainer.global_batch_tokens={4 * SHORT_SEQ}", "trainer.micro_batch_size=4",
         "trainer.eval_interval=2", "trainer.eval_batches=1", "trainer.save_interval=2",
-        "trainer.progress=false", "logger=none", f"trainer.run_dir={short_dir}",
+        "trainer.progress=false", "logger=none", "logger.plot=false", f"trainer.run_dir={short_dir}",
     ]  # fmt: skip
     short_proc = _torchrun(1, "-m", "lmsys.train", *short)
     started["short"] = Job("python -m lmsys.train (short)", short_proc, short_dir)

@@ -28,7 +28,7 @@ def _train_args(data, run, init_from, steps: int = STEPS, model: list[str] = MOD
             f"trainer.max_steps={steps}", f"trainer.global_batch_tokens={4 * SEQ}",
             "trainer.micro_batch_size=2", "trainer.eval_interval=2", "trainer.eval_batches=1",
             "trainer.save_interval=2", "trainer.progress=false", f"optim.lr={LR}", "optim.warmup_steps=0",
-            "logger=none", f"trainer.run_dir={run}"]  # fmt: skip
+            "logger=none", "logger.plot=false", f"trainer.run_dir={run}"]  # fmt: skip
 
 
 def _last_error(proc) -> str:

@@ -55,6 +55,7 @@ COMMON = [
     "optim.lr=3e-3",
     "optim.warmup_steps=2",
     "logger=none",
+    "logger.plot=false",  # loss.png: tests/export/test_main_job.py
     "deepspeed.param_persistence_threshold=0",  # ZeRO-3 partitions even these small matrices
 ]
 
@@ -226,14 +227,14 @@ class Launch:
 LAUNCHES: dict[str, Launch] = {
     "one": Launch(
         1,
-        ("trainer.micro_batch_size=8", "logger=wandb_offline", "logger.log_interval=2"),
+        ("trainer.micro_batch_size=8", "logger=wandb_offline", "logger.log_interval=2", "logger.plot=true"),
         ("1proc",),
         "1proc",
     ),
     # 2 processes with ZeRO 0, 1, 2, 3 (micro-batches of 4: no accumulation)
     "zero": Launch(
         2,
-        ("-m", "deepspeed=zero0,zero1,zero2,zero3", "trainer.micro_batch_size=4"),
+        ("-m", "deepspeed=zero0,zero1,zero2,zero3", "trainer.micro_batch_size=4", "logger.plot=true"),
         ("2proc-zero0", "2proc-zero1", "2proc-zero2", "2proc-zero3"),
         "2proc-zero${deepspeed.stage}",
     ),

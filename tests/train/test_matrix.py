@@ -114,7 +114,9 @@ def test_zero3_partitions_parameters(runs):
 
 
 def test_one_run_directory_with_everything(runs):
-    for name in ("1proc", "2proc-zero2"):
+    # logger.plot=false (the other runs of the suite): no loss.png, the rest the same
+    assert not (runs.get("2proc-zero3-offload").check().run_dir / "loss.png").exists()
+    for name in ("1proc", "2proc-zero2"):  # logger.plot=true, the default
         run = runs.get(name).check()
         d = run.run_dir
         for f in (
