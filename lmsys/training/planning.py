@@ -20,8 +20,9 @@ here; with ZeRO the largest partition is counted), in bytes:
 - loss_head: model.loss_impl: full keeps the (tokens, V) logits, their log-softmax and its
   gradient; chunked (and fused) keep a (chunk, V) buffer and the gradients of h and W.
 - zero_buffers: DeepSpeed's reduce bucket (allocated whole with contiguous_gradients, on CUDA),
-  ZeRO-3's gathered parameters (the prefetch bucket and the largest block) and, on CPU, the
-  gradient copies its reductions make.
+  ZeRO-3's gathered parameters (the prefetch bucket and the largest block; on 2+ ranks also
+  every gathered parameter kept from the forward to the backward, the whole model up to
+  stage3_max_live_parameters) and, on CPU, the gradient copies its reductions make.
 - workspace: the optimizer step's temporaries and the input batch.
 - runtime: memory the process takes on top that is not a tensor of the model (DeepSpeed's
   ZeRO bookkeeping, gloo's buffers, the loader): measured on CPU by
@@ -75,6 +76,11 @@ GPUS_PER_NODE = 8
 # inductor at initialize (lmsys.engine.muon.import_muon_lazily): the 47 MiB that ZeRO 1-3 seemed
 # to add over ZeRO-0 were that import's, not the optimizer's.
 CPU_RUNTIME_BYTES = {0: 2 * MIB, 1: 16 * MIB, 2: 16 * MIB, 3: 15 * MIB}
+# ZeRO-3 on 2+ ranks keeps each parameter it gathers for the forward until the backward has used
+# it again, up to stage3_max_live_parameters (DeepSpeed's default, 1e9, which lmsys leaves): for
+# every model here the whole model, gathered beside the partition. Found by the 2-rank rows of
+# `python -m lmsys.bench plan` (ZeRO-3 short by about n_params x 4 bytes on every row, 2026-11-27).
+DS_MAX_LIVE_PARAMETERS = 1_000_000_000
 COMPONENTS = (
     "parameters",
     "gradients",
@@ -279,6 +285,8 @@ def model_state_bytes(cfg: Config, shapes: ModelShapes, world: int, device: Devi
             buffers += bucket * p
     if stage == 3:  # gathered parameters: the prefetch bucket and the block being computed
         buffers += min(ds.allgather_bucket_size, n) * p + shapes.block_params * p
+        if world > 1:  # every gathered parameter lives until its backward (below)
+            buffers += min(n, DS_MAX_LIVE_PARAMETERS) * p
     host: dict[str, int] = {}
     if ds.offload_optimizer and stage >= 1:
         host["optimizer_states"] = adam_master

@@ -41,6 +41,10 @@ def test_model_states_are_exact_counts_of_the_model():
     z3 = _plan(["deepspeed=zero3", "deepspeed.param_persistence_threshold=0"], world=2)
     assert z3.components["parameters"] == 4 * half
     assert z3.components["optimizer_states"] == 12 * half
+    # ...and, gathered beside the partition from the forward to the backward (DeepSpeed's
+    # stage3_max_live_parameters), the whole model: on 2 ranks, not on 1 (the partition is the model)
+    z3_one = _plan(["deepspeed=zero3", "deepspeed.param_persistence_threshold=0"], world=1)
+    assert z3.components["zero_buffers"] - z3_one.components["zero_buffers"] == 4 * n
     # bf16 on a GPU at ZeRO-0: bf16 weights and gradients, DeepSpeed's fp32 gradients and master
     gpu = _plan(["deepspeed=zero0"], device="h100")
     assert gpu.precision == "bf16"
