@@ -153,7 +153,12 @@ def test_a_config_mistake_is_one_line_before_any_worker_starts(override, fragmen
 # ----------------------------------------------------------------------------- rendezvous failures
 
 
-def join_as_node_one(port: int, limit_s: float) -> str:
+# Generous: the launcher's own start (torch's import) took 42.6 s in a loaded 3-worker run on 2
+# cores. What shows the 2 s probe answered is the error line each test checks, not the clock.
+JOIN_LIMIT_S = 90
+
+
+def join_as_node_one(port: int, limit_s: float = JOIN_LIMIT_S) -> str:
     """Node 1 of 2 with a 2 s rendezvous timeout against 127.0.0.1:port: it must fail with exit 3
     and one error line (returned) within limit_s, not hang."""
     t0 = time.monotonic()
@@ -169,7 +174,7 @@ def join_as_node_one(port: int, limit_s: float) -> str:
 
 def test_silent_endpoint_fails_with_one_line_not_a_hang():
     port = free_port()  # nothing listens there
-    assert f"127.0.0.1:{port} did not answer within 2 s" in join_as_node_one(port, 30)
+    assert f"127.0.0.1:{port} did not answer within 2 s" in join_as_node_one(port)
 
 
 def test_endpoint_that_accepts_but_never_answers_fails_with_one_line_not_a_hang():
@@ -181,7 +186,7 @@ def test_endpoint_that_accepts_but_never_answers_fails_with_one_line_not_a_hang(
         server.bind(("127.0.0.1", 0))
         server.listen(8)
         port = server.getsockname()[1]
-        line = join_as_node_one(port, 60)
+        line = join_as_node_one(port)
     assert f"127.0.0.1:{port} accepts connections but did not answer as a c10d rendezvous store" in line
 
 
