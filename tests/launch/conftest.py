@@ -43,7 +43,7 @@ TINY = [
     "optim.warmup_steps=2",
     "deepspeed=zero2",
     "logger=none",
-    "logger.plot=false",  # loss.png: tests/export/test_main_job.py
+    "logger.plot=false",  # loss.png: tests/train/test_matrix.py::test_one_run_directory_with_everything
 ]
 
 # Variables of an outer launcher, cluster or shell that would change what the launchers decide.

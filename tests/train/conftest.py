@@ -55,7 +55,7 @@ COMMON = [
     "optim.lr=3e-3",
     "optim.warmup_steps=2",
     "logger=none",
-    "logger.plot=false",  # loss.png: tests/export/test_main_job.py
+    "logger.plot=false",  # loss.png: tests/train/test_matrix.py::test_one_run_directory_with_everything
     "deepspeed.param_persistence_threshold=0",  # ZeRO-3 partitions even these small matrices
 ]
 
@@ -119,7 +119,7 @@ def wait_until(proc: subprocess.Popen, what: str, ready: Callable[[], bool], tim
 
 
 def kill9_when(
-    overrides: list[str], root: Path, what: str, ready: Callable[[Path], bool]
+    overrides: list[str], root: Path, what: str, ready: Callable[[Path], bool], timeout_s: float = 300
 ) -> tuple[Path, list[int], list[int]]:
     """A 2-process run in root/run, and SIGKILL to its torchrun launcher's process group as soon as
     ready(run_dir) holds. torchrun starts each worker in its own session, so the workers only die
@@ -135,7 +135,7 @@ def kill9_when(
     proc = start_job(command, root, stdout=subprocess.DEVNULL)
     workers: list = []
     try:
-        wait_until(proc, what, lambda: ready(run_dir))
+        wait_until(proc, what, lambda: ready(run_dir), timeout_s)
         workers = psutil.Process(proc.pid).children(recursive=True)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)

@@ -26,6 +26,8 @@ from tests.train.conftest import kill9_when, run_train, start_job, wait_until
 
 pytestmark = pytest.mark.slow
 
+WAIT_S = 240  # for a save to be in flight: the run starts and saves well within a minute
+
 
 def checkpoint_rows(run_dir) -> list[dict]:
     from lmsys.engine.rundir import read_metrics
@@ -48,7 +50,7 @@ def test_kill9_during_a_save_resumes_from_the_last_committed_one(runs, tmp_path)
     base = [*runs.overrides("2proc-zero2"), "logger=none"]
     slow = ["trainer.debug_step_delay_s=1.0", "trainer.debug_save_delay_s=1.5"]
     what = "checkpoint 4 in flight"
-    run_dir, _, survivors = kill9_when([*base, *slow], tmp_path, what, lambda d: in_flight(d, 4))
+    run_dir, _, survivors = kill9_when([*base, *slow], tmp_path, what, lambda d: in_flight(d, 4), WAIT_S)
     assert survivors == []
     root = run_dir / ckpt.CHECKPOINTS
     assert ckpt.find_latest(run_dir, pytest.fail).step == 2  # the partial 4 is not even listed
@@ -78,7 +80,7 @@ def test_sigterm_while_a_save_is_pending_completes_it_and_exits_75(runs, tmp_pat
     overrides += ["trainer.debug_step_delay_s=0.5", "trainer.debug_save_delay_s=3"]
     command = [sys.executable, "-m", "launch.torchrun", "--nproc", "2", "--", *overrides]
     proc = start_job(command, tmp_path)
-    wait_until(proc, "checkpoint 2 in flight", lambda: in_flight(run_dir, 2))
+    wait_until(proc, "checkpoint 2 in flight", lambda: in_flight(run_dir, 2), WAIT_S)
     os.killpg(proc.pid, signal.SIGTERM)  # a scheduler's preemption: every process of the job
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 75, out + err
