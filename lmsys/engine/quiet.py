@@ -2,8 +2,8 @@
 silences, and whether a launch still has DeepSpeed's ops to build (the start line says so only
 then).
 
-- `DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully`: a print() of every
-  rank at every launch (CPU), even when the op was built long ago;
+- `DeepSpeed ... built successfully`: a print() of every rank at every launch whose op was built,
+  even long ago (lmsys no longer builds DeepSpeed's CPU collectives: skip_cpu_collectives_op);
 - `[deepspeed] OVERFLOW! Skipping step ...`: DeepSpeed's warning for a non-finite gradient, beside
   lmsys's own for the same step (lmsys.training.trainer).
 """
@@ -44,15 +44,35 @@ def without_build_lines() -> Iterator[None]:
         print("\n".join(kept), file=sys.stdout, flush=True)
 
 
+# DeepSpeed's CPU shared-memory collectives (its ShareMemCommBuilder's op name)
+CPU_COLLECTIVES_OP = "deepspeed_shm_comm"
+
+
+def skip_cpu_collectives_op() -> None:
+    """Keep DeepSpeed from compiling its shared-memory collectives on CPU.
+
+    deepspeed.init_distributed on its CPU accelerator JIT-builds this C++ op (about 100 CPU-seconds
+    and a C++ compiler, once per machine; the first launch waits for it), and only its
+    inference_all_reduce uses it: training's collectives go through torch.distributed (gloo) in any
+    case. The op is marked incompatible, as DeepSpeed marks it when its compiler probe fails, so
+    init_distributed does not build or load it.
+    """
+    import deepspeed.ops
+
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)  # probed once, then cached
+    if isinstance(compatible, dict):
+        compatible[CPU_COLLECTIVES_OP] = False
+
+
 def ops_to_build(device: torch.device, offload_optimizer: bool = False) -> bool:
     """Whether DeepSpeed will still compile an op this launch uses (a minute or two, once per
-    machine): on CPU its shared-memory collectives, on CUDA its fused Adam (CPU Adam when the
-    optimizer is offloaded). Judged from torch's extension build directory ($TORCH_EXTENSIONS_DIR,
-    else torch's default, which this creates); True when unsure (ops built into the wheel)."""
+    machine): on CUDA its fused Adam (CPU Adam when the optimizer is offloaded); on CPU none
+    (skip_cpu_collectives_op). Judged from torch's extension build directory
+    ($TORCH_EXTENSIONS_DIR, else torch's default, which this creates); True when unsure (ops built
+    into the wheel)."""
     if device.type == "cpu":
-        name = "deepspeed_shm_comm"
-    else:
-        name = "cpu_adam" if offload_optimizer else "fused_adam"
+        return False
+    name = "cpu_adam" if offload_optimizer else "fused_adam"
     try:
         from torch.utils.cpp_extension import _get_build_directory  # private: guarded
 

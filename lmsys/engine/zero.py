@@ -56,7 +56,7 @@ from lmsys.core.config import Config, OptimConfig, compile_choice
 from lmsys.core.errors import CheckpointError
 from lmsys.core.runtime import BatchPlan
 from lmsys.engine.muon import build_muon, import_muon_lazily
-from lmsys.engine.quiet import quiet_overflow, without_build_lines
+from lmsys.engine.quiet import quiet_overflow, skip_cpu_collectives_op, without_build_lines
 from lmsys.model.compiling import compile_blocks, compile_module, wants_compile
 
 # ----------------------------------------------------------------------------- the process group
@@ -122,7 +122,9 @@ def init_distributed(device: torch.device, timeout_s: float) -> None:
             world_size=int(os.environ["WORLD_SIZE"]),
             timeout=timeout,
         )
-    with without_build_lines():  # DeepSpeed prints its CPU collectives op's build on every rank
+    if device.type == "cpu":
+        skip_cpu_collectives_op()
+    with without_build_lines():  # DeepSpeed prints each op it loads on every rank
         deepspeed.init_distributed(
             dist_backend=backend, auto_mpi_discovery=False, verbose=False, timeout=timeout
         )

@@ -3,7 +3,7 @@ naming the rank(s) that did not arrive.
 
 A collective waits for every rank. When one rank freezes (SIGSTOP, a deadlock, a sleeping
 syscall, a lost GPU) the others wait in the collective; gloo's and NCCL's timeouts do not always
-fire (DeepSpeed's shared-memory all-reduce on CPU never returns to gloo), and nothing says which
+fire (a rank frozen by SIGSTOP held a 2-rank CPU job for 150 s), and nothing says which
 rank is to blame. So the trainer tells the watchdog where it is (`at(step, micro_batch, op)`: a
 plain attribute store, no I/O), and a thread wakes every few seconds:
 
