@@ -26,7 +26,6 @@ from lmsys.cli import flag_as_override, run_cli
 from lmsys.core.config import CONF_DIR, compose, config_to_dict, flatten_dict, to_config
 from lmsys.core.console import one_line, report_error
 from lmsys.core.errors import EXIT_REQUEUE, LmsysError, Stopped
-from lmsys.engine import zero as eng
 from lmsys.sweep.multirun import (
     check_multirun,
     in_multirun,
@@ -37,7 +36,10 @@ from lmsys.sweep.multirun import (
     shared_sweep_dir,
 )
 from lmsys.train_help import usage
-from lmsys.training.trainer import PROG, train
+
+# lmsys.training.trainer (torch, DeepSpeed: about 3 CPU-s) is imported by the functions that
+# train, so that --help, a refused flag and a bad sweep answer at once.
+PROG = "lmsys-train"
 
 # Hydra's own command-line flags; any other `--name` is taken for a key (`--max_steps 5`).
 HYDRA_FLAGS = {
@@ -58,6 +60,8 @@ def _hydra_task(dcfg: DictConfig) -> None:
     header = job_header(dcfg)
     if header and os.environ.get("RANK", "0") == "0":
         print(f"{PROG}: {header}", flush=True)
+    from lmsys.training.trainer import train
+
     started = time.perf_counter()
     try:
         train(to_config(dcfg))
@@ -120,12 +124,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     def plain_run() -> int:
+        from lmsys.engine.zero import close_distributed
+        from lmsys.training.trainer import train
+
         try:
             train(compose(argv))  # composed once, here: a mistake is one line
         except Stopped as stop:  # saved after a signal: already said in one line
             return stop.exit_code
         finally:
-            eng.close_distributed()
+            close_distributed()
         return 0
 
     def check_sweep() -> int:

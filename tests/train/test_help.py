@@ -26,6 +26,27 @@ def test_help_lists_groups_keys_and_examples(tmp_path):
     assert list(tmp_path.iterdir()) == []  # help writes nothing
 
 
+def test_help_and_a_refused_flag_answer_without_torch():
+    """--help and a refused flag import neither torch nor DeepSpeed (about 3 CPU-s); the trainer's
+    own name for its lines is the command's."""
+    probe = (
+        "import sys, contextlib, io\n"
+        "from lmsys.train import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+        "    codes = main(['--help']), main(['--max_stepz', '5'])\n"
+        "print(codes, sorted(m for m in ('torch', 'deepspeed') if m in sys.modules))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], env=child_env(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.stdout.strip() == "(0, 2) []", proc.stdout + proc.stderr
+
+    import lmsys.train
+    from lmsys.training import trainer
+
+    assert lmsys.train.PROG == trainer.PROG
+
+
 def test_help_shows_the_values_the_overrides_give(tmp_path):
     out = lmsys_train("model=gpt2_124m", "optim.lr=0.25", "-h", cwd=tmp_path).stdout
     assert any(ln.startswith("  data.seq_len") and ln.endswith("[1024]") for ln in out.splitlines()), out
