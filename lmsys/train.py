@@ -38,7 +38,7 @@ from lmsys.sweep.multirun import (
 from lmsys.train_help import usage
 
 # lmsys.training.trainer (torch, DeepSpeed: about 3 CPU-s) is imported by the functions that
-# train, so that --help, a refused flag and a bad sweep answer at once.
+# train, so that --help and a refused flag answer at once.
 PROG = "lmsys-train"
 
 # Hydra's own command-line flags; any other `--name` is taken for a key (`--max_steps 5`).
