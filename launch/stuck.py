@@ -76,6 +76,9 @@ class HangRelay:
         self.last_line: str | None = None
         self.say = say  # told each line as it comes (a launch with restarts goes on after it)
         self._done = threading.Event()
+        # line() must not read the file between the thread's last check of last_line and its
+        # unlink: it would find neither (a race seen once in a loaded suite)
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._watch, name="lmsys-hang-relay", daemon=True)
 
     @classmethod
@@ -100,22 +103,24 @@ class HangRelay:
             while time.monotonic() < deadline and any(_alive(p) for p in workers):
                 time.sleep(0.2)
             self.killed += [p for p in workers if _kill(p)]
-            self.last_line = line
+            with self._lock:
+                self.last_line = line
+                if self.owned:
+                    self.path.unlink(missing_ok=True)  # a restarted attempt may hang again
             if self.say is not None:
                 self.say(line)
-            if self.owned:
-                self.path.unlink(missing_ok=True)  # a restarted attempt may hang again
-            else:
+            if not self.owned:
                 return  # a sweep's file: the sweep reads it; one job is one launch
 
     def line(self) -> str | None:
         """The watchdog's line, once written (the last one, after restarts)."""
-        if self.last_line is None:
+        with self._lock:
+            if self.last_line is not None:
+                return self.last_line
             try:
                 return self.path.read_text().strip() or None
             except OSError:
                 return None
-        return self.last_line
 
     def stop(self) -> None:
         self._done.set()
