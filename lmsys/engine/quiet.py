@@ -57,7 +57,7 @@ def skip_cpu_collectives_op() -> None:
     case. The op is marked incompatible, as DeepSpeed marks it when its compiler probe fails, so
     init_distributed does not build or load it.
     """
-    import deepspeed.ops
+    import deepspeed.ops  # late: as lmsys.engine.zero's docstring says, only where it is used
 
     compatible = getattr(deepspeed.ops, "__compatible_ops__", None)  # probed once, then cached
     if isinstance(compatible, dict):
