@@ -39,7 +39,7 @@ from lmsys.core.errors import CheckpointError, LmsysError, NoSpaceError
 from lmsys.core.files import TMP_PREFIX, atomic_write_text, space_checked
 from lmsys.engine import checkpoint as ckpt
 from lmsys.engine.rundir import CHECKPOINTS
-from lmsys.engine.zero import safe_torch_load
+from lmsys.engine.zero import persistent_params_kept, safe_torch_load
 
 # ----------------------------------------------------------------------------- host snapshots
 
@@ -291,7 +291,7 @@ class AsyncSaver:
             if tmp_dir.exists():  # a leftover of a killed save of this same step
                 shutil.rmtree(tmp_dir)
         space = ckpt.space_needed(root, engine, tag)  # (bytes, what a full disk's line says then)
-        with snapshotting(engine, self.snap_engine):
+        with snapshotting(engine, self.snap_engine), persistent_params_kept(engine):
             engine.save_checkpoint(str(root), tag=tmp_tag, client_state={}, save_latest=False)
         snapshot, files = self.snap_engine.take_files()
         job = _Job(state.step, root / tag, waited_s=waited, nbytes=snapshot.nbytes)

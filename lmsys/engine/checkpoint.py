@@ -71,7 +71,7 @@ from lmsys.core.files import (
 from lmsys.data.tokenizer import TOKENIZER_FILES
 from lmsys.engine.reshard import load_resharded
 from lmsys.engine.rundir import CHECKPOINTS, CONFIG_FILE, RUN_FILE, read_metrics, run_dir_of
-from lmsys.engine.zero import consolidated_state_dict, safe_torch_load
+from lmsys.engine.zero import consolidated_state_dict, persistent_params_kept, safe_torch_load
 from lmsys.model.weights import model_state_dict
 
 MARKER = "lmsys_checkpoint.json"
@@ -175,13 +175,17 @@ def _barrier() -> None:
 
 def nonfinite_weight(engine: Any) -> str | None:
     """The first weight of this rank's share of the engine (its partition at ZeRO-3) that holds a
-    NaN or inf, by its name in the model; None when all are finite."""
+    NaN or inf, by its name in the model; None when all are finite. Below ZeRO-3 every rank checks
+    every weight: a copy corrupted on one rank only is caught too."""
     named = [(n, getattr(p, "ds_tensor", p)) for n, p in engine.module.named_parameters()]
     named = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
     if not named:
         return None
-    finite = torch.stack([torch.isfinite(t).all() for _, t in named]).tolist()  # one device sync
-    return next((n.removeprefix("model.") for (n, _), ok in zip(named, finite) if not ok), None)
+    # one fused reduction and one device sync: a norm is non-finite if any element is (or, rarely,
+    # if huge finite values overflow it: then the exact check below clears the weight)
+    norms = torch.stack(torch._foreach_norm([t for _, t in named]))  # (n_weights,)
+    suspects = [nt for nt, ok in zip(named, torch.isfinite(norms).tolist()) if not ok]
+    return next((n.removeprefix("model.") for n, t in suspects if not bool(torch.isfinite(t).all())), None)
 
 
 def refuse_nonfinite(engine: Any, step: int, root: Path) -> None:
@@ -189,8 +193,8 @@ def refuse_nonfinite(engine: Any, step: int, root: Path) -> None:
     on any rank does."""
     found = [nonfinite_weight(engine)]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        found = [None] * dist.get_world_size()
-        dist.all_gather_object(found, nonfinite_weight(engine))
+        mine, found = found[0], [None] * dist.get_world_size()
+        dist.all_gather_object(found, mine)
     bad = [(rank, name) for rank, name in enumerate(found) if name is not None]
     if bad:
         rank, name = bad[0]
@@ -228,7 +232,7 @@ def save(
     needed, then = space_needed(root, engine, tag)
     failure = None
     try:
-        with space_checked(root, needed, None, then):
+        with space_checked(root, needed, None, then), persistent_params_kept(engine):
             engine.save_checkpoint(str(root), tag=tmp_tag, client_state={}, save_latest=False)
             atomic_write_text(tmp_dir / f"rank_{rank:05d}.json", json.dumps(rank_state))
     except NoSpaceError as exc:

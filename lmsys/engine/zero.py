@@ -446,6 +446,45 @@ def innermost_optimizer(opt: Any) -> Any:
     return opt
 
 
+@contextlib.contextmanager
+def persistent_params_kept(engine: Any) -> Iterator[None]:
+    """For the duration of a ZeRO-3 `save_checkpoint`: the persistent parameters (those below
+    DeepSpeed's persistence threshold, which every rank holds whole) are put back from the tensors
+    they held before the save instead of all-gathered again. DeepSpeed's save partitions every
+    parameter first (so that the module state dict holds partitions only) and all-gathers the
+    persistent ones afterwards, one collective per parameter: about 0.15 s for this bench's 163 on
+    two CPU ranks over gloo, all of it loop stall. A save does not change a weight, so the tensors
+    kept are what the all-gather would rebuild. Anything else (no ZeRO-3, NVMe-offloaded
+    partitions, a DeepSpeed without these hooks) saves as DeepSpeed does."""
+    opt = engine.optimizer
+    persistent = list(getattr(opt, "persistent_parameters", None) or [])
+    original = getattr(opt, "checkpoint_event_epilogue", None)
+    if not persistent or original is None or not hasattr(opt, "invalidate_secondary_tensor"):
+        yield
+        return
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # late: see the module docstring
+
+    if any(getattr(p.ds_tensor, "final_location", None) == "nvme" for p in persistent):
+        yield  # the epilogue's gather also reads NVMe partitions back
+        return
+    kept = [(p, p.data) for p in persistent if p.ds_status == ZeroParamStatus.AVAILABLE]
+
+    def epilogue() -> None:
+        opt.invalidate_secondary_tensor()  # as DeepSpeed's own epilogue, then its gather, from memory
+        for p, data in kept:
+            if p.ds_status == ZeroParamStatus.NOT_AVAILABLE:
+                p.data, p.ds_status = data, ZeroParamStatus.AVAILABLE
+        missing = [p for p in persistent if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        if missing:  # not whole before the save: gathered as DeepSpeed would
+            missing[0].all_gather(missing)
+
+    opt.checkpoint_event_epilogue = epilogue  # this instance only, for this save
+    try:
+        yield
+    finally:
+        del opt.checkpoint_event_epilogue
+
+
 def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

@@ -17,12 +17,17 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+from lmsys.core.files import sha256_file
 from lmsys.engine import checkpoint as ckpt
-from tests.train.conftest import kill9_when, run_train, start_job, wait_until
+from tests.train.conftest import TORCHRUN, child_env, kill9_when, run_train, start_job, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -120,3 +125,45 @@ def test_async_saves_write_what_sync_saves_write(runs, tmp_path):
         assert saved_async == saved_sync, tag
     loaded = ckpt.read_checkpoint(cached.run_dir)  # what lmsys-export and lmsys-generate read
     assert loaded.info["step"] == 6 and loaded.info["zero_stage"] == 3
+
+
+def test_a_zero3_save_puts_persistent_parameters_back_instead_of_gathering_them(tmp_path):
+    """lmsys's save (sync and async alike) at ZeRO-3, 2 ranks: the parameters that stay whole on
+    every rank are put back from their own storage, not all-gathered again as DeepSpeed's
+    save_checkpoint does (one collective each: most of a ZeRO-3 save's loop stall over gloo), and
+    the files are byte for byte DeepSpeed's own."""
+    script = Path(__file__).with_name("zero3_save_probe.py")
+    command = [TORCHRUN, "--standalone", "--nproc_per_node=2", str(script), str(tmp_path)]
+    proc = subprocess.run(command, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report["persistent"] > 0 and report["partitioned"] > 0, report  # both kinds in the model
+        restored = {"gathers": 0, "whole": True, "same_storage": True, "same_values": True}
+        assert report["lmsys"] == restored, report
+        # DeepSpeed's own save: gathered again, into new storage (what the probe would see if the
+        # restore were lost)
+        assert report["deepspeed"] == {**restored, "gathers": 1, "same_storage": False}, report
+    ours = tmp_path / "lmsys" / ckpt.CHECKPOINTS / ckpt.tag_for(1)
+    theirs = tmp_path / "deepspeed" / ckpt.tag_for(1)
+    written = sorted(p.name for p in theirs.glob("*.pt"))
+    assert len(written) == 4, written  # model and optimizer states of each rank
+    for name in written:
+        assert sha256_file(ours / name) == sha256_file(theirs / name), name
+
+
+def test_the_nonfinite_weight_check_names_the_weight_and_clears_huge_finite_ones():
+    """The check before every save reduces each weight to a norm in one pass; a norm that
+    overflows on finite values (1e30 squared) is cleared by the exact check, a NaN or an inf is
+    named."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    engine = SimpleNamespace(module=SimpleNamespace(named_parameters=lambda: (
+        (f"model.{name}", p) for name, p in model.named_parameters()
+    )))  # fmt: skip
+    with torch.no_grad():
+        model[0].weight[0, 0] = 1e30
+        assert ckpt.nonfinite_weight(engine) is None
+        model[1].bias[1] = float("inf")
+        assert ckpt.nonfinite_weight(engine) == "1.bias"
+        model[0].weight[2, 1] = float("nan")
+        assert ckpt.nonfinite_weight(engine) == "0.weight"  # the first in the model's order
