@@ -32,7 +32,7 @@ from lmsys.cli import Option, parse_options, run_cli
 from lmsys.core.config import compose
 from lmsys.engine.rundir import read_metrics
 from lmsys.training.devices import cpu_device, cpu_flops, device_spec
-from lmsys.training.planning import CPU_STEP_OVERHEAD_S, mib, plan_launch
+from lmsys.training.planning import cpu_overhead_s, mib, plan_launch
 
 PROG = "lmsys-bench plan"
 OPTIONS = [
@@ -151,7 +151,8 @@ def command(world: int, overrides: list[str]) -> list[str]:
 def measure(row: Row, root: Path, steps: int, rate: float, timeout: int) -> dict[str, Any]:
     """One row: the plan, then the real run; predicted and measured figures."""
     overrides = row.overrides(root)
-    plan = plan_launch(compose(overrides), row.world, cpu_device(), cpu_rate=rate, suggest=False)
+    cfg = compose(overrides)
+    plan = plan_launch(cfg, row.world, cpu_device(), cpu_rate=rate, suggest=False)
     run_dir = root / "runs" / row.name
     started = time.perf_counter()
     proc = subprocess.run(
@@ -169,6 +170,7 @@ def measure(row: Row, root: Path, steps: int, rate: float, timeout: int) -> dict
         "components": plan.components,
         "flops_per_step": plan.flops_per_step,
         "grad_accum": plan.batch.grad_accum,
+        "overhead_s": cpu_overhead_s(cfg, row.world, cpu_device(), plan.batch),
         "wall_s": time.perf_counter() - started,
     }
     memory = read_metrics(run_dir, "memory")
@@ -267,8 +269,9 @@ def prediction_table() -> str:
 
 def replay(path: str) -> list[dict[str, Any]]:
     """The rows of a saved bench output (its `lmsys-bench plan: {...}` lines) with the memory
-    predicted again by the current model: the measurements stay what they were; the step time
-    keeps the prediction of the run (it used the CPU rate measured then)."""
+    predicted again by the current model: the measurements stay what they were; the step time is
+    predicted again from the current non-FLOP model (cpu_overhead_s) and a FLOP rate calibrated on
+    the rows, as in a live run."""
     rows = {r.name: r for r in (*GRID, *SMOKE)}
     root = Path(tempfile.gettempdir())
     out = []
@@ -285,6 +288,7 @@ def replay(path: str) -> list[dict[str, Any]]:
         measured = int(saved["measured_bytes"])
         saved.update(predicted_bytes=plan.allocated_bytes, memory_error=plan.allocated_bytes / measured - 1)
         saved.update(flops_per_step=plan.flops_per_step, grad_accum=plan.batch.grad_accum)
+        saved.update(overhead_s=cpu_overhead_s(cfg, row.world, cpu_device(), plan.batch))
         out.append(saved)
     return out
 
@@ -296,13 +300,10 @@ def calibrate_time(rows: list[dict[str, Any]]) -> float | None:
     done = [r for r in rows if "measured_step_s" in r]
     if not done:
         return None
-    rates = [
-        r["flops_per_step"] / max(r["measured_step_s"] - CPU_STEP_OVERHEAD_S * r["grad_accum"], 1e-6)
-        for r in done
-    ]
+    rates = [r["flops_per_step"] / max(r["measured_step_s"] - r["overhead_s"], 1e-6) for r in done]
     rate = statistics.median(rates)
     for r in done:
-        r["predicted_step_s"] = r["flops_per_step"] / rate + CPU_STEP_OVERHEAD_S * r["grad_accum"]
+        r["predicted_step_s"] = r["flops_per_step"] / rate + r["overhead_s"]
         r["time_error"] = r["predicted_step_s"] / r["measured_step_s"] - 1
     return rate
 

@@ -32,9 +32,11 @@ here; with ZeRO the largest partition is counted), in bytes:
 
 Time: FLOPs per step and rank (6N + 6 L H (d_qk + d_vo) T per token, PaLM appendix B, plus the
 recomputed forward with activation checkpointing) over the device's peak times an MFU assumption
-(MFU_ASSUMED, stated in every report), or on CPU over a measured matmul rate times
-CPU_EFFICIENCY (both calibrated by the bench); ZeRO's communication is assumed overlapped and
-only counts when it takes longer than the compute.
+(MFU_ASSUMED, stated in every report); ZeRO's communication is assumed overlapped and only counts
+when it takes longer than the compute. On CPU: over a measured matmul rate times CPU_EFFICIENCY,
+plus what a CPU step spends beside its FLOPs (cpu_overhead_s: the step's bookkeeping, the
+optimizer, ZeRO-3's hooks and gathers, the gradient reductions over gloo, which a CPU does not
+overlap), with constants fitted by the bench.
 """
 
 from __future__ import annotations
@@ -63,10 +65,19 @@ MIB = 1 << 20
 # in about 24 h, its discussion #677) is about 43% of the H100's dense bf16 peak by the same
 # formula; 40% leaves room for lmsys's Python loop and DeepSpeed.
 MFU_ASSUMED = 0.40
-# Training on CPU runs at this fraction of the matmul rate `cpu_flops` measures (elementwise ops,
-# the optimizer, DeepSpeed's Python): calibrated by `python -m lmsys.bench plan`.
-CPU_EFFICIENCY = 0.55
-CPU_STEP_OVERHEAD_S = 0.01  # per optimizer step: DeepSpeed's bookkeeping, the loader, the logger
+# Training's FLOPs on CPU run at this fraction of the matmul rate `cpu_flops` measures (the
+# elementwise ops between the matmuls): fitted with the terms below (71 GFLOP/s against a matmul
+# rate of 93 on 2026-11-27); `python -m lmsys.bench plan` calibrates it on its rows.
+CPU_EFFICIENCY = 0.76
+# What a CPU step spends beside its FLOPs (cpu_overhead_s), least-squares fitted on 2026-11-27 to
+# the 25 rows of `python -m lmsys.bench plan` (1 and 2 ranks, this 2-core machine, one thread per
+# rank; docs/planning.md): seconds per unit of each.
+CPU_STEP_S = 0.078  # per optimizer step: DeepSpeed's bookkeeping, the loader, the logger
+CPU_OPTIMIZER_S_PER_PARAM = 6.2e-9  # AdamW over the rank's optimizer partition
+CPU_Z3_HOOK_S = 0.155e-3  # ZeRO-3's fetch/release hooks, per parameter per pass per micro-batch
+CPU_Z3_GATHER_S = 4.6e-3  # ZeRO-3, 2+ ranks: one gloo all-gather per partitioned parameter and pass
+CPU_Z3_GATHER_S_PER_BYTE = 0.73e-9  # ZeRO-3: the partitioned parameters' bytes, gathered or copied
+CPU_REDUCE_S_PER_BYTE = 2.9e-9  # 2+ ranks: a gradient reduction over gloo, per byte of ring traffic
 # Per GPU between nodes (a 400 Gb/s NIC per GPU, as in DGX H100 / A100 nodes): an assumption.
 INTER_NODE_BYTES_PER_S = 50e9
 GPUS_PER_NODE = 8
@@ -408,6 +419,26 @@ def memory_components(
     return components, states.host
 
 
+def cpu_overhead_s(cfg: Config, world: int, device: Device, batch: BatchPlan) -> float:
+    """Seconds a CPU optimizer step spends beside its FLOPs, per rank: a CPU runs the collectives
+    and DeepSpeed's Python between its matmuls, not beside them. The constants (CPU_*_S) are
+    per unit of the work each counts."""
+    shapes = model_shapes(cfg)
+    ds, p = cfg.deepspeed, 4 if precision_of(cfg, device) == "fp32" else 2
+    seconds = CPU_STEP_S + CPU_OPTIMIZER_S_PER_PARAM * math.ceil(shapes.n_params / (world if ds.stage else 1))
+    if ds.stage == 3:  # each pass (forward, backward, the recomputed forward) fetches every parameter
+        passes = batch.grad_accum * (3 if ds.activation_checkpointing else 2)
+        partitioned = [k for k in shapes.param_numels if k >= ds.param_persistence_threshold]
+        per_pass = CPU_Z3_HOOK_S * len(shapes.param_numels) + CPU_Z3_GATHER_S_PER_BYTE * sum(partitioned) * p
+        if world > 1:
+            per_pass += CPU_Z3_GATHER_S * len(partitioned)
+        seconds += passes * per_pass
+    if world > 1:  # ZeRO-0/1 reduce once a step, ZeRO-2/3 after every micro-batch
+        reductions = batch.grad_accum if ds.stage >= 2 else 1
+        seconds += reductions * CPU_REDUCE_S_PER_BYTE * 2 * (world - 1) / world * shapes.n_params * p
+    return seconds
+
+
 def step_time(
     cfg: Config, world: int, device: Device, batch: BatchPlan, cpu_rate: float | None
 ) -> tuple[float, float, float | None, str]:
@@ -420,8 +451,11 @@ def step_time(
     flops = float(per_token * tokens)
     if device.kind == "cpu":
         rate = (cpu_rate or cpu_flops()) * CPU_EFFICIENCY
-        source = f"CPU: measured matmul rate x {CPU_EFFICIENCY} (calibrated by python -m lmsys.bench plan)"
-        return flops / rate + CPU_STEP_OVERHEAD_S * batch.grad_accum, flops, None, source
+        source = (
+            f"CPU: measured matmul rate x {CPU_EFFICIENCY}, plus the step's non-FLOP time "
+            "(both calibrated by python -m lmsys.bench plan)"
+        )
+        return flops / rate + cpu_overhead_s(cfg, world, device, batch), flops, None, source
     peak = device.peak_bf16_flops if precision_of(cfg, device) != "fp32" else device.peak_fp32_flops
     assert peak is not None
     compute = flops / (peak * MFU_ASSUMED)

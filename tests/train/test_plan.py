@@ -14,6 +14,7 @@ import torch
 
 from lmsys.core.config import compose
 from lmsys.model.transformer import Block, Transformer
+from lmsys.training import planning
 from lmsys.training.devices import device_spec
 from lmsys.training.planning import block_saved_elements, plan_launch
 from tests.train.conftest import COMMON, REPO_ROOT, child_env, run_train
@@ -53,6 +54,48 @@ def test_model_states_are_exact_counts_of_the_model():
     # offload moves the optimizer states of a GPU run to host memory, and says so
     off = _plan(["deepspeed=zero3_offload"], world=2, device="h100")
     assert off.components["optimizer_states"] == 0 and off.host["optimizer_states"] > 0
+
+
+def test_a_cpu_steps_time_beside_its_flops_counts_the_models_parameters_and_passes():
+    """cpu_overhead_s from the model's own counts: the optimizer over the rank's partition; at
+    ZeRO-3 a hook per parameter and pass (a third pass with activation checkpointing), a gloo
+    all-gather per partitioned parameter on 2 ranks, the partitioned bytes; on 2 ranks a gradient
+    reduction once a step (ZeRO-0/1) or once a micro-batch (ZeRO-2/3)."""
+    cpu = device_spec("cpu")
+    model = Transformer(compose(SMALL).model)
+    n, numels = model.num_parameters(), [p.numel() for p in model.parameters()]
+
+    def overhead(overrides: list[str], world: int) -> tuple[float, int]:
+        overrides = [*overrides, "trainer.micro_batch_size=2"]  # accumulation 2 on 2 ranks, 4 on 1
+        cfg = compose([*SMALL, *overrides])
+        plan = _plan(overrides, world)
+        return planning.cpu_overhead_s(cfg, world, cpu, plan.batch), plan.batch.grad_accum
+
+    z0, _ = overhead(["deepspeed=zero0"], 1)
+    assert z0 == pytest.approx(planning.CPU_STEP_S + planning.CPU_OPTIMIZER_S_PER_PARAM * n)
+    z1_w2, _ = overhead(["deepspeed=zero1"], 2)  # half the optimizer, one reduction of n fp32
+    reduce_once = planning.CPU_REDUCE_S_PER_BYTE * 4 * n
+    assert z1_w2 == pytest.approx(
+        planning.CPU_STEP_S + planning.CPU_OPTIMIZER_S_PER_PARAM * -(-n // 2) + reduce_once
+    )
+    z2_w2, accum = overhead(["deepspeed=zero2"], 2)
+    assert accum == 2 and z2_w2 - z1_w2 == pytest.approx(reduce_once)  # one more: a micro-batch each
+    threshold = 1000
+    partitioned = [k for k in numels if k >= threshold]
+    assert 0 < len(partitioned) < len(numels)  # both kinds in this model
+    z3 = ["deepspeed=zero3", f"deepspeed.param_persistence_threshold={threshold}"]
+    per_pass = planning.CPU_Z3_HOOK_S * len(numels) + planning.CPU_Z3_GATHER_S_PER_BYTE * 4 * sum(partitioned)
+    z3_w1, accum_w1 = overhead(z3, 1)
+    z1_w1, _ = overhead(["deepspeed=zero1"], 1)
+    assert accum_w1 == 4 and z3_w1 - z1_w1 == pytest.approx(2 * 4 * per_pass)  # forward and backward
+    z3_ckpt, _ = overhead([*z3, "deepspeed.activation_checkpointing=true"], 1)
+    assert z3_ckpt - z1_w1 == pytest.approx(3 * 4 * per_pass)  # and the recomputed forward
+    z3_w2, _ = overhead(z3, 2)
+    gathers = 2 * 2 * planning.CPU_Z3_GATHER_S * len(partitioned)
+    assert z3_w2 - z2_w2 == pytest.approx(2 * 2 * per_pass + gathers)
+    # the step time on CPU is the FLOPs at the rate plus this (the rate of _plan: 1e9 FLOP/s)
+    plan = _plan([*z3, "trainer.micro_batch_size=2"], 2)
+    assert plan.step_time_s == pytest.approx(plan.flops_per_step / (1e9 * planning.CPU_EFFICIENCY) + z3_w2)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "seed_trax", "seed_compact", "seed_gpt"])
