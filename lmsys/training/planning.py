@@ -48,14 +48,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-import torch.nn as nn
-from torch.overrides import TorchFunctionMode
 
 from kernels.reference import lce_default_chunk  # the chunk rule of the chunked loss path
 from lmsys.core.config import Config, model_dims
 from lmsys.core.errors import ConfigError
 from lmsys.core.runtime import BatchPlan, batch_plan
-from lmsys.model.transformer import Transformer
+from lmsys.model.shapes import ModelShapes, model_shapes
 from lmsys.training.devices import GIB, GPUS, Device, cpu_device, cpu_flops
 from lmsys.training.metrics import device_peak_flops, peak_rss_bytes
 
@@ -103,76 +101,6 @@ COMPONENTS = (
     "runtime",
     "allocator_margin",
 )
-
-
-# ----------------------------------------------------------------------------- the model's shapes
-
-
-@dataclass(frozen=True)
-class ModelShapes:
-    """What the plan needs of the model, from a Transformer built on the meta device (no memory)."""
-
-    n_params: int  # distinct parameters (a tied matrix once): the model's num_parameters()
-    param_numels: tuple[int, ...]  # each distinct parameter's elements
-    block_params: int  # parameters of one block
-    flops_per_token: int  # 6N + 6 L H (d_qk + d_vo) T at the run's T
-    recompute_flops_per_token: int  # the blocks' forward again, with activation checkpointing
-
-
-def model_shapes(cfg: Config) -> ModelShapes:
-    """The shapes of cfg's model at its data.seq_len (cached: the suggestions re-plan one model)."""
-    key = (repr(cfg.model), cfg.data.seq_len)
-    if key not in _SHAPES:
-        _SHAPES[key] = _model_shapes(cfg)
-    return _SHAPES[key]
-
-
-_SHAPES: dict[tuple[str, int], ModelShapes] = {}
-
-
-class _NoInit(TorchFunctionMode):
-    """Skips the in-place random initialisations of a model built on the meta device: there they
-    run torch's Python references, whose first call imports torch._dynamo (about 2 s of CPU at
-    every launch) to fill tensors that have no data."""
-
-    SKIPPED = frozenset(
-        {
-            torch.Tensor.normal_,
-            torch.Tensor.uniform_,
-            nn.init.normal_,
-            nn.init.uniform_,
-            nn.init.trunc_normal_,
-            nn.init.kaiming_uniform_,
-            nn.init.kaiming_normal_,
-            nn.init.xavier_uniform_,
-            nn.init.xavier_normal_,
-        }
-    )
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        if func in self.SKIPPED:  # the tensor, unchanged (nn.init passes it by keyword)
-            return args[0] if args else kwargs["tensor"]
-        return func(*args, **(kwargs or {}))
-
-
-def _model_shapes(cfg: Config) -> ModelShapes:
-    with torch.device("meta"), _NoInit():
-        model = Transformer(cfg.model)
-    numels = tuple(p.numel() for p in model.parameters())
-    block = sum(p.numel() for p in model.blocks[0].parameters()) if len(model.blocks) else 0
-    m, dims = cfg.model, model_dims(cfg.model)
-    attention_fwd = 2 * m.n_layers * m.n_heads * (dims.d_qk + dims.d_vo) * cfg.data.seq_len
-    return ModelShapes(
-        n_params=model.num_parameters(),
-        param_numels=numels,
-        block_params=block,
-        flops_per_token=model.flops_per_token(cfg.data.seq_len),
-        recompute_flops_per_token=2 * block * m.n_layers + attention_fwd,
-    )
-
-
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 # ----------------------------------------------------------------------------- activations
