@@ -191,9 +191,10 @@ def nonfinite_weight(engine: Any) -> str | None:
 def refuse_nonfinite(engine: Any, step: int, root: Path) -> None:
     """A checkpoint never holds a non-finite value: TrainingError (every rank alike) when a weight
     on any rank does."""
-    found = [nonfinite_weight(engine)]
+    mine = nonfinite_weight(engine)
+    found = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        mine, found = found[0], [None] * dist.get_world_size()
+        found = [None] * dist.get_world_size()
         dist.all_gather_object(found, mine)
     bad = [(rank, name) for rank, name in enumerate(found) if name is not None]
     if bad:

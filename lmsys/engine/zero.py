@@ -458,8 +458,8 @@ def persistent_params_kept(engine: Any) -> Iterator[None]:
     partitions, a DeepSpeed without these hooks) saves as DeepSpeed does."""
     opt = engine.optimizer
     persistent = list(getattr(opt, "persistent_parameters", None) or [])
-    original = getattr(opt, "checkpoint_event_epilogue", None)
-    if not persistent or original is None or not hasattr(opt, "invalidate_secondary_tensor"):
+    hooks = ("checkpoint_event_epilogue", "invalidate_secondary_tensor")
+    if not persistent or not all(hasattr(opt, name) for name in hooks):
         yield
         return
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # late: see the module docstring
