@@ -1,13 +1,15 @@
-"""The plan against measured runs: `python -m lmsys.bench plan [smoke=true] [steps=4]`.
+"""The plan against measured runs: `python -m lmsys.bench plan [smoke=true] [steps=5]`.
 
 Runs a grid of real short CPU trainings (`python -m lmsys.train`, `torchrun --nproc_per_node=2`
 for 2 ranks; presets tiny, seed_trax, seed_postln, seed_compact, gpt2_124m shrunk to short
 sequences and a vocabulary of at most 8192; ZeRO 0-3 and 3 with offload; micro-batches 1-8;
 activation checkpointing on and off; loss_impl full and chunked) and prints, per row, the
 predicted and the measured peak memory per rank (the largest rank's, lmsys-train's `memory`
-record: peak RSS over the RSS before the model, lmsys.training.planning.measured_peak_bytes)
-and the predicted and measured step time (the median of steps 2.. of metrics.jsonl), with the
-errors, the worst and the median. The CPU FLOP rate the time prediction uses is measured here
+record with trainer.trace_memory=true: the peak of the tensors allocated after the baseline, from
+torch's allocator events, against the plan's tensors; lmsys.training.metrics.TensorPeak), the
+moment of the step the plan puts the peak at, and the predicted and measured step time (the
+median of steps 3.. of metrics.jsonl: the trace runs through step 2), with the errors, the worst
+and the median. The CPU FLOP rate the time prediction uses is measured here
 first (lmsys.training.devices.cpu_flops, one thread: what torchrun gives each CPU worker).
 
 smoke=true runs three 1-rank rows of the tiny preset (the test's size). Data: a synthetic prepared
@@ -37,7 +39,7 @@ from lmsys.training.planning import cpu_overhead_s, mib, plan_launch
 PROG = "lmsys-bench plan"
 OPTIONS = [
     Option("smoke", "bool", False, "three small 1-rank rows only"),
-    Option("steps", "int", 4, "optimizer steps per run"),
+    Option("steps", "int", 5, "optimizer steps per run (the trace takes steps 1-2)"),
     Option("only", "str", None, "run the rows whose name contains this"),
     Option("timeout", "int", 900, "seconds per run"),
     Option("predict", "bool", False, "print the GPU prediction table of docs/planning.md instead (no runs)"),
@@ -95,6 +97,7 @@ class Row:
             "trainer.progress=false",
             "optim.warmup_steps=1",
             "logger=none",
+            "trainer.trace_memory=true",
         ]
 
 
@@ -165,7 +168,8 @@ def measure(row: Row, root: Path, steps: int, rate: float, timeout: int) -> dict
     )
     result: dict[str, Any] = {
         "row": row.name,
-        "predicted_bytes": plan.allocated_bytes,
+        "predicted_bytes": plan.tensor_bytes,
+        "peak_phase": plan.peak_phase,
         "predicted_step_s": plan.step_time_s,
         "components": plan.components,
         "flops_per_step": plan.flops_per_step,
@@ -179,7 +183,8 @@ def measure(row: Row, root: Path, steps: int, rate: float, timeout: int) -> dict
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         return {**result, "error": f"exit {proc.returncode}: {' | '.join(tail)}"}
     measured = int(memory[-1]["measured_peak_bytes"])
-    times = [float(r["step_time_s"]) for r in train if int(r["step"]) >= 2] or [
+    result.update(measured_by=memory[-1].get("measured_by"), peak_during=memory[-1].get("rank0_peak_during"))
+    times = [float(r["step_time_s"]) for r in train if int(r["step"]) >= 3] or [
         float(train[-1]["step_time_s"])
     ]
     step_s = statistics.median(times)
@@ -187,7 +192,7 @@ def measure(row: Row, root: Path, steps: int, rate: float, timeout: int) -> dict
         **result,
         "measured_bytes": measured,
         "measured_step_s": step_s,
-        "memory_error": plan.allocated_bytes / measured - 1 if measured > 0 else float("nan"),
+        "memory_error": plan.tensor_bytes / measured - 1 if measured > 0 else float("nan"),
         "time_error": plan.step_time_s / step_s - 1,
     }
 
@@ -196,7 +201,7 @@ def report(rows: list[dict[str, Any]], rate: float, replayed: bool = False) -> s
     lines = [
         ("replayed: memory predicted by the current model, the measurements as saved; " if replayed else "")
         + f"training FLOP rate calibrated on these rows (median): {rate / 1e9:.2f} GFLOP/s",
-        f"{'row':<44} {'predicted':>11} {'measured':>11} {'error':>7}  "
+        f"{'row':<44} {'predicted':>11} {'measured':>11} {'error':>7} {'at':<8}  "
         f"{'pred s':>7} {'meas s':>7} {'error':>7}",
     ]
     for r in rows:
@@ -205,7 +210,8 @@ def report(rows: list[dict[str, Any]], rate: float, replayed: bool = False) -> s
             continue
         lines.append(
             f"{r['row']:<44} {mib(r['predicted_bytes']):>11} {mib(r['measured_bytes']):>11} "
-            f"{r['memory_error']:>+7.1%}  {r['predicted_step_s']:>7.3f} {r['measured_step_s']:>7.3f} "
+            f"{r['memory_error']:>+7.1%} {r.get('peak_phase', ''):<8}  "
+            f"{r['predicted_step_s']:>7.3f} {r['measured_step_s']:>7.3f} "
             f"{r['time_error']:>+7.1%}"
         )
     done = [r for r in rows if "error" not in r]
@@ -286,7 +292,11 @@ def replay(path: str) -> list[dict[str, Any]]:
         cfg = compose(row.overrides(root))
         plan = plan_launch(cfg, row.world, cpu_device(), cpu_rate=1e9, suggest=False)
         measured = int(saved["measured_bytes"])
-        saved.update(predicted_bytes=plan.allocated_bytes, memory_error=plan.allocated_bytes / measured - 1)
+        # outputs from before the trace (2026-11-27) measured the peak RSS: tensors and runtime
+        traced = saved.get("measured_by") == "traced_tensors"
+        predicted = plan.tensor_bytes if traced else plan.allocated_bytes
+        saved.update(predicted_bytes=predicted, memory_error=predicted / measured - 1)
+        saved.update(peak_phase=plan.peak_phase)
         saved.update(flops_per_step=plan.flops_per_step, grad_accum=plan.batch.grad_accum)
         saved.update(overhead_s=cpu_overhead_s(cfg, row.world, cpu_device(), plan.batch))
         out.append(saved)

@@ -86,6 +86,45 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # no procfs: KiB on Linux
 
 
+class TensorPeak:
+    """The peak of the CPU tensors allocated since start(): the CPU's equivalent of CUDA's
+    max_memory_allocated, which RSS is not (glibc keeps memory torch has freed, by a policy that
+    varies run to run: docs/planning.md). It reads the allocator events of torch's profiler
+    (profile_memory): c10's CPU allocator reports every allocation and every free of a block it
+    saw allocated, so the running sum in time order is the bytes alive that were allocated after
+    start(). Only this thread's allocations count (and the autograd engine's on its behalf, which
+    runs a CPU backward on the calling thread). Costs about 1.5 s to start and the profiler's
+    per-op overhead while it runs, so lmsys-train uses it only with trainer.trace_memory=true."""
+
+    def __init__(self) -> None:
+        from torch.profiler import ProfilerActivity, profile  # late: only traced runs load it
+
+        self.profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.profile.start()
+
+    def stop(self) -> tuple[int, str]:
+        """(peak bytes, the ops running at the peak, outermost first) and the profiler stopped."""
+        self.profile.stop()
+        events = self.profile.profiler.kineto_results.events()  # type: ignore[union-attr]
+        memory = sorted(
+            (e.start_ns(), e.nbytes())
+            for e in events
+            if e.name() == "[memory]" and e.device_type().name == "CPU"
+        )
+        live = peak = 0
+        peak_ns = 0
+        for when, nbytes in memory:
+            live += nbytes
+            if live > peak:
+                peak, peak_ns = live, when
+        running = sorted(
+            (e.start_ns(), e.name())
+            for e in events
+            if e.name() != "[memory]" and e.start_ns() <= peak_ns <= e.start_ns() + e.duration_ns()
+        )
+        return peak, " > ".join(name for _, name in running[-4:])
+
+
 def memory_gb(device: torch.device) -> float:
     """Peak memory of this process so far: CUDA allocations on GPU, resident set size on CPU."""
     if device.type == "cuda":

@@ -2,31 +2,18 @@
 and device (lmsys-plan, the trainer's startup line, preflight's refusal).
 
 Memory is counted as lmsys and DeepSpeed really allocate it, per rank (every rank holds the same
-here; with ZeRO the largest partition is counted), in bytes:
+here; with ZeRO the largest partition is counted), in bytes, at the moment of the step where the
+most is alive (lmsys.engine.memory: the loss, the checkpointed backward, the gradient reduction or
+the optimizer step; which tensors each holds). The components are those alive at that moment:
 
-- parameters: the model in the run's precision (fp32 on CPU, bf16 on CUDA by default); ZeRO-3
-  keeps 1/world of it plus, whole, every parameter under deepspeed.param_persistence_threshold.
-- gradients: ZeRO-0 the whole gradient (bf16 adds DeepSpeed's fp32 copy); ZeRO-1 the whole
-  gradient plus the partition's averaged gradient and its flat fp32 copy for the step; ZeRO-2 the
-  last two and the gradients not yet reduced (up to deepspeed.reduce_bucket_size of them);
-  ZeRO-3 the fp32 partition and the optimizer's fp32 gradient buffer (stage3.py
-  allocates both).
-- optimizer_states: Adam's two moments and the fp32 master weights (separate from the model at
-  every stage but fp32 ZeRO-0), / world from ZeRO-1; offload_optimizer moves them to host memory
-  (`host` in the plan), which on a CPU device is the same memory.
-- activations: what autograd saves per block (counted from the model's code, see
-  `block_saved_elements`), or only each block's input with activation checkpointing plus one
-  block recomputed; the backward's transient gradients of one block.
-- loss_head: model.loss_impl: full keeps the (tokens, V) logits, their log-softmax and its
-  gradient; chunked (and fused) keep a (chunk, V) buffer and the gradients of h and W.
-- zero_buffers: DeepSpeed's reduce bucket (allocated whole with contiguous_gradients, on CUDA),
-  ZeRO-3's gathered parameters (the prefetch bucket and the largest block; on 2+ ranks also
-  every gathered parameter kept from the forward to the backward, the whole model up to
-  stage3_max_live_parameters) and, on CPU, the gradient copies its reductions make.
-- workspace: the optimizer step's temporaries and the input batch.
+- parameters, optimizer_states (Adam's moments and its fp32 master; offload_optimizer moves them
+  to host memory, `host` in the plan, which on a CPU device is the same memory), gradients,
+  activations (what autograd saves per block, `block_saved_elements`), loss_head (model.loss_impl's
+  buffers), zero_buffers (ZeRO-3's gathered parameters, the reductions' gradient copies),
+  workspace (the optimizer's temporaries and the input batch);
 - runtime: memory the process takes on top that is not a tensor of the model (DeepSpeed's
-  ZeRO bookkeeping, gloo's buffers, the loader): measured on CPU by
-  `python -m lmsys.bench plan`; on CUDA 0 (the CUDA context lives outside the allocator).
+  ZeRO bookkeeping, gloo's buffers, the loader): in the peak RSS on CPU, fitted by
+  `python -m lmsys.bench plan`; on CUDA 0 (the CUDA context lives outside the allocator);
 - allocator_margin: CUDA: the caching allocator's fragmentation and the CUDA context (10% + 1
   GiB); CPU: 5% (glibc's arenas).
 
@@ -49,13 +36,13 @@ from typing import Any
 
 import torch
 
-from kernels.reference import lce_default_chunk  # the chunk rule of the chunked loss path
-from lmsys.core.config import Config, model_dims
+from lmsys.core.config import Config
 from lmsys.core.errors import ConfigError
 from lmsys.core.runtime import BatchPlan, batch_plan
-from lmsys.model.shapes import ModelShapes, model_shapes
+from lmsys.engine.memory import StepMemory, step_memory
+from lmsys.model.shapes import model_shapes
 from lmsys.training.devices import GIB, GPUS, Device, cpu_device, cpu_flops
-from lmsys.training.metrics import device_peak_flops, peak_rss_bytes
+from lmsys.training.metrics import TensorPeak, device_peak_flops, peak_rss_bytes
 
 MIB = 1 << 20
 # The MFU a GPU run of a GPT-2-sized dense model reaches with flash attention and fused kernels:
@@ -85,11 +72,6 @@ GPUS_PER_NODE = 8
 # inductor at initialize (lmsys.engine.muon.import_muon_lazily): the 47 MiB that ZeRO 1-3 seemed
 # to add over ZeRO-0 were that import's, not the optimizer's.
 CPU_RUNTIME_BYTES = {0: 2 * MIB, 1: 16 * MIB, 2: 16 * MIB, 3: 15 * MIB}
-# ZeRO-3 on 2+ ranks keeps each parameter it gathers for the forward until the backward has used
-# it again, up to stage3_max_live_parameters (DeepSpeed's default, 1e9, which lmsys leaves): for
-# every model here the whole model, gathered beside the partition. Found by the 2-rank rows of
-# `python -m lmsys.bench plan` (ZeRO-3 short by about n_params x 4 bytes on every row, 2026-11-27).
-DS_MAX_LIVE_PARAMETERS = 1_000_000_000
 COMPONENTS = (
     "parameters",
     "gradients",
@@ -103,64 +85,6 @@ COMPONENTS = (
 )
 
 
-# ----------------------------------------------------------------------------- activations
-
-
-def _norm_saved(formula: str, affine: bool, d: int) -> tuple[int, int]:
-    """(elements per token a norm saves of its own, whether it also keeps its input (0/1)).
-    torch's F.layer_norm (sqrt_var_eps) keeps its input and two statistics; the written-out
-    formulas (std_plus_eps, exact) keep x - mean, sigma and, with the affine, the normalised x."""
-    if formula == "none":
-        return 0, 0
-    if formula == "sqrt_var_eps":
-        return 2, 1
-    stats = 2 if formula == "std_plus_eps" else 1  # sigma (and sigma + eps)
-    return d + stats + (d if affine else 0), 0
-
-
-def block_saved_elements(cfg: Config) -> int:
-    """Elements per token one block leaves for its backward (torch ops; the Triton kernels save
-    the same tensors: the normalised input's statistics, q/k/v, the attention output and its
-    log-sum-exp), counted from lmsys/model/transformer.py's Block.forward."""
-    m, dims = cfg.model, model_dims(cfg.model)
-    d, f, h = m.d_model, dims.d_ff, m.n_heads
-    norm_own, norm_in = _norm_saved(m.norm.formula, m.norm.affine, d)
-    qkv = h * (2 * dims.d_qk + dims.d_vo)  # q, k, v (after their biases) saved by attention
-    # + its output and log-sum-exp; the heads' concatenation is a view of the output (its layout)
-    attention = qkv + h * dims.d_vo + h
-    if m.attention.softmax == "matrix":
-        attention += 2 * h * cfg.data.seq_len  # the whole score matrix and its softmax per query
-    ffn_layer = f if m.ffn.activation == "relu" else 2 * f  # relu backward needs only its output
-    if m.ffn.bias_after_activation and m.ffn.bias:
-        ffn_layer += f
-    ffn = d + ffn_layer * m.ffn.n_hidden_layers  # its input, each hidden layer
-    norm = norm_own + norm_in * d
-    if m.block == "pre":  # x (norm1's input), N1(x), attention, x + attn (N2's input), N2(y), ffn
-        return 2 * norm + d + attention + ffn
-    if m.block == "post":  # x, attention, x + attn, N1(.), ffn, y + ffn (N2's input)
-        return d + attention + 2 * norm + ffn
-    if m.block == "none":  # x, attention, y, ffn
-        return d + attention + ffn
-    return norm + d + attention + ffn  # parallel: one norm feeds both branches
-
-
-def activation_bytes(cfg: Config, tokens: int, act_bytes: int) -> int:
-    """Saved activations of one micro-batch of `tokens` positions at the backward's start, plus
-    the transient gradients of one block (and, with checkpointing, the one block recomputed)."""
-    m = cfg.model
-    block = block_saved_elements(cfg) * tokens * act_bytes
-    # the backward of one block: the gradients of its intermediate results, about twice its saved
-    # tensors at their peak on CPU (fitted by the bench: tiny at micro-batches 4 and 8)
-    transient = 2 * block + 2 * tokens * m.d_model * act_bytes
-    final = 0
-    if m.final_norm:
-        own, keeps_input = _norm_saved(m.norm.formula, m.norm.affine, m.d_model)
-        final = (own + keeps_input * m.d_model) * tokens * act_bytes
-    if cfg.deepspeed.activation_checkpointing:
-        return m.n_layers * m.d_model * tokens * act_bytes + block + transient + final
-    return m.n_layers * block + transient + final
-
-
 def loss_impl_of(cfg: Config, device: Device) -> str:
     """model.loss_impl as it runs on `device` (lmsys.model.ops.loss_implementation's rule)."""
     impl = cfg.model.loss_impl
@@ -168,76 +92,6 @@ def loss_impl_of(cfg: Config, device: Device) -> str:
         return impl
     uses_triton = cfg.model.kernels == "triton" or (cfg.model.kernels == "auto" and device.kind == "cuda")
     return "fused" if uses_triton else "chunked"
-
-
-def loss_head_bytes(cfg: Config, tokens: int, impl: str, act_bytes: int) -> int:
-    """The loss's own peak for one micro-batch of `tokens` positions (fp32 arithmetic)."""
-    v, d = cfg.model.vocab_size, cfg.model.d_model
-    if impl == "full":  # logits in the model's dtype, their fp32 log-softmax, its gradient and the
-        # gradient of the logits (4 buffers of (tokens, V) at the backward's peak, measured on CPU)
-        upcast = 4 * tokens * v if act_bytes < 4 else 0
-        return tokens * v * act_bytes + 3 * tokens * v * 4 + upcast + tokens * d * act_bytes
-    chunk = lce_default_chunk(tokens, v) if impl == "chunked" else 0
-    # gradients of h and W formed in the forward (fp32), scaled copies in the backward
-    backward = 2 * 4 * (tokens * d + v * d)
-    forward = 4 * (chunk * v + tokens * d + v * d)
-    return max(forward, backward)
-
-
-# ----------------------------------------------------------------------------- model states
-
-
-@dataclass(frozen=True)
-class States:
-    parameters: int
-    gradients: int
-    optimizer_states: int
-    zero_buffers: int
-    host: dict[str, int]  # what offload puts in host memory
-
-
-def model_state_bytes(cfg: Config, shapes: ModelShapes, world: int, device: Device, p: int) -> States:
-    """Parameters, gradients, optimizer states and ZeRO's buffers per rank (module docstring)."""
-    ds = cfg.deepspeed
-    n, stage = shapes.n_params, ds.stage
-    part = math.ceil(n / world)  # this rank's partition (DeepSpeed pads to equal partitions)
-    cuda = device.kind == "cuda"
-    adam_master = 12 * part if stage else (8 * n + (4 * n if p < 4 else 0))
-    if stage == 0:
-        params, grads = n * p, n * p + (4 * n if p < 4 else 0)
-    elif stage in (1, 2):  # the partition's averaged gradient, then its flat fp32 copy for the step
-        params = n * p
-        # ZeRO-2 frees a gradient once its bucket is reduced: until then, up to a bucket's worth
-        held = n * p if stage == 1 else min(n, ds.reduce_bucket_size) * p
-        grads = held + part * p + 4 * part
-    else:
-        small = sum(k for k in shapes.param_numels if k < ds.param_persistence_threshold)
-        params = part * p + small * p
-        grads = 8 * part
-    buffers = 0
-    if world > 1 or stage == 3:
-        bucket = ds.reduce_bucket_size if cuda and ds.contiguous_gradients else min(ds.reduce_bucket_size, n)
-        if stage == 0:  # DeepSpeed flattens the gradients it all-reduces (after the backward: on
-            # CPU into the memory the activations just freed, not measured there)
-            buffers += min(n, 500_000_000) * p if world > 1 and cuda else 0
-        elif stage >= 2 or world > 1:
-            buffers += bucket * p
-    if stage == 3:  # gathered parameters: the prefetch bucket and the block being computed
-        buffers += min(ds.allgather_bucket_size, n) * p + shapes.block_params * p
-        if world > 1:  # every gathered parameter lives until its backward (below)
-            buffers += min(n, DS_MAX_LIVE_PARAMETERS) * p
-    host: dict[str, int] = {}
-    if ds.offload_optimizer and stage >= 1:
-        host["optimizer_states"] = adam_master
-        if stage == 3:  # its fp32 gradient buffer goes along
-            host["gradients"] = 4 * part
-        if cuda:
-            adam_master, grads = 0, grads - host.get("gradients", 0)
-    if ds.offload_param and stage == 3:
-        host["parameters"] = part * p
-        if cuda:
-            params -= part * p
-    return States(params, grads, adam_master, buffers, host)
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -260,6 +114,7 @@ class Plan:
     n_params: int
     components: dict[str, int]
     host: dict[str, int]
+    peak_phase: str  # the moment of the step the peak is at (lmsys.engine.memory.PHASES)
     peak_bytes: int
     device_bytes: int  # available to this rank (cpu: the machine's memory / ranks)
     step_time_s: float
@@ -279,6 +134,11 @@ class Plan:
         """The peak without the allocator margin: what max_memory_allocated (or RSS) measures."""
         return self.peak_bytes - self.components["allocator_margin"]
 
+    @property
+    def tensor_bytes(self) -> int:
+        """The tensors alone (no runtime): what max_memory_allocated or a CPU trace measures."""
+        return self.allocated_bytes - self.components["runtime"]
+
     def startup_line(self) -> str:
         """lmsys-train's startup line: the prediction it checks against the measured peak."""
         verdict = "fits" if self.fits else "does NOT fit"
@@ -296,6 +156,7 @@ class Plan:
             "fits": self.fits,
             "headroom_bytes": self.device_bytes - self.peak_bytes,
             "host_bytes": dict(self.host),
+            "peak_phase": self.peak_phase,
             "step_time_s": self.step_time_s,
             "tokens_per_s": self.tokens_per_s,
             "mfu": self.mfu,
@@ -323,28 +184,27 @@ def precision_of(cfg: Config, device: Device) -> str:
 
 def memory_components(
     cfg: Config, world: int, device: Device, batch: BatchPlan
-) -> tuple[dict[str, int], dict[str, int]]:
-    """(components on the device, what offload puts in host memory), bytes per rank."""
-    shapes = model_shapes(cfg)
+) -> tuple[StepMemory, dict[str, int]]:
+    """(the step's tensors at their peak moment, the components with the runtime and the allocator
+    margin), bytes per rank."""
     p = 4 if precision_of(cfg, device) == "fp32" else 2
-    tokens = batch.micro_batch_size * batch.seq_len
-    states = model_state_bytes(cfg, shapes, world, device, p)
-    largest = max(shapes.param_numels, default=0)
-    components = {
-        "parameters": states.parameters,
-        "gradients": states.gradients,
-        "optimizer_states": states.optimizer_states,
-        "activations": activation_bytes(cfg, tokens, p),
-        "loss_head": loss_head_bytes(cfg, tokens, loss_impl_of(cfg, device), p),
-        "zero_buffers": states.zero_buffers,
-        # AdamW's per-parameter temporaries (the largest parameter, fp32, twice) and the batch
-        "workspace": 2 * 4 * largest + 2 * 8 * batch.micro_batch_size * batch.tokens_per_sample,
-        "runtime": CPU_RUNTIME_BYTES[cfg.deepspeed.stage] if device.kind == "cpu" else 0,
-    }
+    step = step_memory(
+        cfg,
+        model_shapes(cfg),
+        world,
+        cuda=device.kind == "cuda",
+        p=p,
+        tokens=batch.micro_batch_size * batch.seq_len,
+        loss_impl=loss_impl_of(cfg, device),
+        grad_accum=batch.grad_accum,
+        batch_bytes=2 * 8 * batch.micro_batch_size * batch.tokens_per_sample,  # inputs, targets
+    )
+    components = {name: step.components.get(name, 0) for name in COMPONENTS[:-2]}
+    components["runtime"] = CPU_RUNTIME_BYTES[cfg.deepspeed.stage] if device.kind == "cpu" else 0
     allocated = sum(components.values())
     margin = int(0.10 * allocated) + GIB if device.kind == "cuda" else int(0.05 * allocated)
     components["allocator_margin"] = margin
-    return components, states.host
+    return step, components
 
 
 def cpu_overhead_s(cfg: Config, world: int, device: Device, batch: BatchPlan) -> float:
@@ -412,7 +272,7 @@ def plan_launch(
     if world < 1:
         raise ConfigError(f"world={world} must be >= 1")
     batch = batch_plan(cfg, world)
-    components, host = memory_components(cfg, world, device, batch)
+    step, components = memory_components(cfg, world, device, batch)
     seconds, flops, mfu, source = step_time(cfg, world, device, batch, cpu_rate)
     shared = device.kind == "cpu" and not device.per_rank  # the machine's memory, shared by its ranks
     available = device.memory_bytes // world if shared else device.memory_bytes
@@ -424,7 +284,8 @@ def plan_launch(
         loss_impl=loss_impl_of(cfg, device),
         n_params=model_shapes(cfg).n_params,
         components=components,
-        host=host,
+        host=step.host,
+        peak_phase=step.phase,
         peak_bytes=sum(components.values()),
         device_bytes=available,
         step_time_s=seconds,
@@ -636,15 +497,33 @@ def rss_bytes() -> int:
         return 0
 
 
-def measured_peak_bytes(device: torch.device, baseline_rss: int) -> int:
+def measured_peak_bytes(device: torch.device, baseline_rss: int, trace: TensorPeak | None) -> Measured:
     """The run's measured peak: CUDA max_memory_allocated (what the plan predicts without its
-    allocator margin); CPU the process's peak RSS (metrics.peak_rss_bytes) minus its RSS after
+    allocator margin); CPU with trainer.trace_memory the traced tensors' peak (TensorPeak, started
+    with the baseline), else the process's peak RSS (metrics.peak_rss_bytes) minus its RSS after
     the imports and the process group (taken before the model is built)."""
     if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return peak_rss_bytes() - baseline_rss
+        return Measured(int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated")
+    if trace is not None:
+        peak, during = trace.stop()
+        return Measured(peak, "traced_tensors", during)
+    return Measured(peak_rss_bytes() - baseline_rss, "rss")
 
 
-def memory_line(predicted: int, measured: int) -> str:
+@dataclass(frozen=True)
+class Measured:
+    bytes: int
+    by: str  # cuda_max_allocated | traced_tensors | rss: what the prediction is compared with
+    during: str = ""  # traced: the ops running at the peak, outermost first
+
+    def predicted(self, plan: Plan) -> int:
+        """The plan's figure for this measure: the tensors alone, or with the runtime for RSS."""
+        return plan.allocated_bytes if self.by == "rss" else plan.tensor_bytes
+
+
+MEASURED_BY = {"cuda_max_allocated": "", "traced_tensors": " (tensors, traced)", "rss": " (peak RSS)"}
+
+
+def memory_line(predicted: int, measured: int, by: str = "cuda_max_allocated") -> str:
     diff = (measured - predicted) / predicted if predicted else 0.0
-    return f"memory: predicted {mib(predicted)}, measured {mib(measured)} ({diff:+.0%})"
+    return f"memory: predicted {mib(predicted)}, measured {mib(measured)}{MEASURED_BY[by]} ({diff:+.0%})"

@@ -25,7 +25,7 @@ from typing import Any
 
 from lmsys.core.console import Console, StepReport
 from lmsys.training.metrics import MetricsLogger
-from lmsys.training.planning import Plan, memory_line
+from lmsys.training.planning import Measured, Plan, memory_line
 from lmsys.training.plots import plot_losses
 
 
@@ -112,17 +112,20 @@ class Reporter:
             f"written in the background in {write_s:.2f} s)"
         )
 
-    def memory_measured(self, step: int, plan: Plan | None, peaks: list[int]) -> None:
+    def memory_measured(self, step: int, plan: Plan | None, peaks: list[int], measured: Measured) -> None:
         """After the first applied step (rank 0): the measured peak of every rank (lmsys.training.
-        planning.measured_peak_bytes) beside the prediction, as a line and a `memory` record."""
-        measured = max(peaks, default=0)
-        predicted = plan.allocated_bytes if plan is not None else None
+        planning.measured_peak_bytes; `measured` is rank 0's, for how it was taken) beside the
+        prediction, as a line and a `memory` record."""
+        largest = max(peaks, default=0)
+        predicted = measured.predicted(plan) if plan is not None else None
         if self.logger is not None:
-            values = {"measured_peak_bytes": measured, "measured_peak_bytes_per_rank": peaks}
-            values["predicted_peak_bytes"] = predicted
+            values: dict[str, Any] = {"measured_peak_bytes": largest, "measured_peak_bytes_per_rank": peaks}
+            values.update(predicted_peak_bytes=predicted, measured_by=measured.by)
+            if measured.during:
+                values["rank0_peak_during"] = measured.during
             self.logger.log("memory", step, values, to_wandb=False)
         if predicted is not None:
-            self.note(memory_line(predicted, measured))
+            self.note(memory_line(predicted, largest, measured.by))
 
     def summary(self, values: dict[str, Any]) -> None:
         if self.logger is not None:

@@ -49,7 +49,7 @@ from lmsys.model.selfcheck import check_kernels, settle
 from lmsys.model.transformer import Transformer, next_token_pairs
 from lmsys.training.faults import Faults
 from lmsys.training.health import Event, Health, StepData, scales_of
-from lmsys.training.metrics import MetricsLogger, device_name, device_peak_flops, memory_gb, mfu
+from lmsys.training.metrics import MetricsLogger, TensorPeak, device_name, device_peak_flops, memory_gb, mfu
 from lmsys.training.planning import Plan, measured_peak_bytes, rss_bytes
 from lmsys.training.preflight import preflight
 from lmsys.training.reporter import Reporter
@@ -99,6 +99,8 @@ class Trainer:
         import torch._dynamo  # noqa: F401
 
         self.memory, self.baseline_rss = memory, rss_bytes()  # before the model: lmsys.training.planning
+        traced = t.trace_memory and setup.device.type == "cpu"
+        self.memory_trace = TensorPeak() if traced else None  # from here to the first applied step
         cfg = replace(cfg, optim=replace(cfg.optim, decay_steps=schedule_horizon(cfg, run.resume)))
         self.cfg, self.setup, self.run_dir, self.console = cfg, setup, run.run_dir, console
         self.report = Reporter(console, cfg.logger.log_interval, cfg.logger.plot)
@@ -164,7 +166,7 @@ class Trainer:
         self.first_loss: float | None = None  # of this launch
         self.last_val: float | None = None
         self.saved_step = self.start_step if run.resume is not None else -1
-        self.stats_written = False
+        self.stats_written, self.applied_steps = False, 0
         self.watchdog = Watchdog(  # the loop reports where it is; fit() starts the thread
             t.hang_timeout_s,
             setup.rank,
@@ -404,7 +406,11 @@ class Trainer:
         else:
             state.last_loss = result.loss
             self.first_loss = result.loss if self.first_loss is None else self.first_loss
-        if result.outcome.applied and not self.stats_written:
+        self.applied_steps += result.outcome.applied
+        # the peak of the second applied step: the first runs its forward and backward before
+        # the optimizer's state exists, every later one beside it (or the launch's last step)
+        measure_now = self.applied_steps == 2 or (self.applied_steps and result.step >= t.max_steps)
+        if measure_now and not self.stats_written:
             self._write_engine_stats()
         if self.engine_info.compiled and result.step == self.start_step + 1:
             say_compiled(self.console, compile_stats(self.compile_start), "training", result.seconds)
@@ -430,16 +436,18 @@ class Trainer:
             self.health.settle(result.event, result.outcome.applied)  # raises to stop the run
 
     def _write_engine_stats(self) -> None:
-        """What each rank holds (after the first applied step: Adam's state exists from then on)."""
+        """What each rank holds and its measured peak (after the second applied step, see record)."""
         self.stats_written = True
         gathered: list[dict[str, int] | None] = [None] * self.setup.world_size
-        measured = measured_peak_bytes(self.setup.device, self.baseline_rss)
-        dist.all_gather_object(gathered, {**eng.shard_stats(self.engine), "measured_peak_bytes": measured})
+        measured = measured_peak_bytes(self.setup.device, self.baseline_rss, self.memory_trace)
+        self.memory_trace = None
+        mine = {**eng.shard_stats(self.engine), "measured_peak_bytes": measured.bytes}
+        dist.all_gather_object(gathered, mine)
         if self.setup.rank == 0:
             stats = {"engine": self.engine_info.as_dict(), "ranks": gathered}
             rundir.write_json(self.run_dir, rundir.ENGINE_STATS_FILE, stats)
             peaks = [int(r["measured_peak_bytes"]) for r in gathered if r is not None]
-            self.report.memory_measured(self.state.step, self.memory, peaks)
+            self.report.memory_measured(self.state.step, self.memory, peaks, measured)
 
     def val_coverage(self) -> str:
         """`all 240 val sequences` or `224 of 240 val sequences`."""

@@ -13,11 +13,14 @@ import pytest
 import torch
 
 from lmsys.core.config import compose
+from lmsys.engine.memory import StepMemory, block_saved_elements, step_memory
+from lmsys.model.shapes import model_shapes
 from lmsys.model.transformer import Block, Transformer
 from lmsys.training import planning
 from lmsys.training.devices import device_spec
-from lmsys.training.planning import block_saved_elements, plan_launch
-from tests.train.conftest import COMMON, REPO_ROOT, child_env, run_train
+from lmsys.training.metrics import TensorPeak
+from lmsys.training.planning import plan_launch
+from tests.train.conftest import COMMON, REPO_ROOT, SEQ, child_env, run_train
 
 SMALL = [o for o in COMMON if o.startswith("model.")] + [
     "trainer.global_batch_tokens=256",
@@ -42,10 +45,6 @@ def test_model_states_are_exact_counts_of_the_model():
     z3 = _plan(["deepspeed=zero3", "deepspeed.param_persistence_threshold=0"], world=2)
     assert z3.components["parameters"] == 4 * half
     assert z3.components["optimizer_states"] == 12 * half
-    # ...and, gathered beside the partition from the forward to the backward (DeepSpeed's
-    # stage3_max_live_parameters), the whole model: on 2 ranks, not on 1 (the partition is the model)
-    z3_one = _plan(["deepspeed=zero3", "deepspeed.param_persistence_threshold=0"], world=1)
-    assert z3.components["zero_buffers"] - z3_one.components["zero_buffers"] == 4 * n
     # bf16 on a GPU at ZeRO-0: bf16 weights and gradients, DeepSpeed's fp32 gradients and master
     gpu = _plan(["deepspeed=zero0"], device="h100")
     assert gpu.precision == "bf16"
@@ -54,6 +53,41 @@ def test_model_states_are_exact_counts_of_the_model():
     # offload moves the optimizer states of a GPU run to host memory, and says so
     off = _plan(["deepspeed=zero3_offload"], world=2, device="h100")
     assert off.components["optimizer_states"] == 0 and off.host["optimizer_states"] > 0
+
+
+def _moments(overrides: list[str], world: int = 1, micro: int = 4) -> tuple[StepMemory, int, int]:
+    """The step's moments of SMALL (fp32, CPU), its parameter count and tokens per micro-batch."""
+    cfg = compose([*SMALL, *overrides, f"trainer.micro_batch_size={micro}"])
+    shapes = model_shapes(cfg)
+    tokens = micro * cfg.data.seq_len
+    accum = cfg.trainer.global_batch_tokens // (tokens * world)
+    args = dict(cuda=False, p=4, tokens=tokens, grad_accum=accum, batch_bytes=0)
+    return step_memory(cfg, shapes, world, loss_impl=cfg.model.loss_impl, **args), shapes.n_params, tokens
+
+
+def test_the_peak_is_the_largest_moment_of_the_step_and_each_moment_holds_its_own_tensors():
+    """The loss's buffers, the reduction's copies and the optimizer's temporaries never coexist:
+    each moment counts the tensors alive then, and the plan's peak is the largest moment."""
+    full, n, tokens = _moments(["deepspeed=zero0", "model.loss_impl=full"])
+    vocab = compose(SMALL).model.vocab_size
+    assert full.phase == max(full.totals, key=full.totals.get)
+    assert sum(full.components.values()) == max(full.totals.values())
+    loss, reduce, step = full.moments["loss"], full.moments["reduce"], full.moments["step"]
+    # full loss: the log-softmax and two gradients of (tokens, V) in fp32, the saved h
+    d = compose(SMALL).model.d_model
+    assert loss["loss_head"] == 3 * tokens * vocab * 4 + tokens * d * 4
+    assert loss["activations"] > 0 and reduce["activations"] == 0 and step["loss_head"] == 0
+    # ZeRO-0 flattens a copy of every gradient to reduce it, once the activations are gone
+    assert reduce["zero_buffers"] == 4 * n and reduce["gradients"] == 4 * n
+    # ZeRO-3 on 2 ranks keeps every gathered parameter from the forward to its backward; 1 rank not
+    two, n, _ = _moments(["deepspeed=zero3", "deepspeed.param_persistence_threshold=0"], world=2, micro=2)
+    one, _, _ = _moments(["deepspeed=zero3", "deepspeed.param_persistence_threshold=0"], world=1, micro=4)
+    assert two.moments["loss"]["zero_buffers"] == 4 * n and one.moments["loss"]["zero_buffers"] == 0
+    # activation checkpointing keeps each block's input, then recomputes one block in the backward
+    ckpt, _, _ = _moments(["deepspeed=zero2", "deepspeed.activation_checkpointing=true"])
+    plain, _, _ = _moments(["deepspeed=zero2"])
+    assert ckpt.moments["loss"]["activations"] < plain.moments["loss"]["activations"]
+    assert ckpt.moments["backward"]["activations"] > ckpt.moments["loss"]["activations"]
 
 
 def test_a_cpu_steps_time_beside_its_flops_counts_the_models_parameters_and_passes():
@@ -198,9 +232,54 @@ def test_a_real_run_reports_its_measured_peak_beside_the_prediction(runs):
     assert records, run.stdout
     record = records[0]
     measured, predicted = record["measured_peak_bytes"], record["predicted_peak_bytes"]
-    assert record["step"] == 1 and measured > 0
+    # after the second step: the first runs its forward and backward before Adam's state exists
+    assert record["step"] == 2 and record["measured_by"] == "rss" and measured > 0
     assert 0.5 < measured / predicted < 2.0, (measured, predicted)
     assert f"measured {measured / 2**20:,.1f} MiB" in run.stdout
+
+
+@pytest.mark.parametrize("stage, loss_impl", [(0, "full"), (2, "chunked")])
+def test_a_traced_run_measures_its_tensors_and_the_plan_predicts_them(
+    prepared_data, tmp_path, stage, loss_impl
+):
+    """trainer.trace_memory=true: the peak of the tensors from torch's allocator events (not RSS,
+    which glibc's retention moves), the ops at the peak named, within 10% of the plan's tensors."""
+    overrides = [
+        f"data.dir={prepared_data}",
+        *COMMON,
+        "model.d_model=128",
+        "model.ffn.d_ff=512",
+        "trainer.micro_batch_size=8",
+        f"trainer.global_batch_tokens={16 * SEQ}",
+        f"deepspeed=zero{stage}",
+        f"model.loss_impl={loss_impl}",
+    ]
+    run = run_train(f"traced-{stage}", 1, [*overrides, "trainer.trace_memory=true"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr[-2000:]
+    record = run.records("memory")[0]
+    assert record["measured_by"] == "traced_tensors" and record["rank0_peak_during"], record
+    plan = plan_launch(compose(overrides), 1, device_spec("cpu"), cpu_rate=1e9, suggest=False)
+    assert record["predicted_peak_bytes"] == plan.tensor_bytes
+    assert abs(record["measured_peak_bytes"] / plan.tensor_bytes - 1) < 0.10, (record, plan.components)
+    assert "(tensors, traced)" in run.stdout
+
+
+def test_the_tensor_trace_counts_what_is_alive_from_its_start():
+    """A known pattern: 8 MiB held from before the trace and freed in it (no negative count),
+    16 MiB then 8 MiB allocated, the 16 freed, 4 allocated: the peak is 24 MiB, during the ops
+    that allocated it."""
+    mib = 2**20
+    before = torch.empty(2 * mib)  # 8 MiB
+    trace = TensorPeak()
+    del before
+    first = torch.empty(4 * mib)
+    second = torch.ones(2 * mib)
+    del first
+    third = torch.zeros(mib)
+    peak, during = trace.stop()
+    assert abs(peak - 24 * mib) < mib // 4, peak / mib
+    assert "aten::ones" in during, during
+    del second, third
 
 
 def test_the_measured_peak_is_the_runs_own_not_its_launchers():
