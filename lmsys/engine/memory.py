@@ -10,8 +10,9 @@ micro-batches):
   chunked loss forms its gradients in the forward, the full one in its backward), beside the
   gradients accumulated so far and, at ZeRO-3 on 2+ ranks, every parameter gathered for the
   forward (kept until its backward: stage3_max_live_parameters);
-- backward (with activation checkpointing): each block's input, one block recomputed with its
-  backward's transient gradients, and the gradients formed so far;
+- backward (with activation checkpointing): one block recomputed with its backward's transient
+  gradients, beside every block's input at the first block (or one input and the gradients
+  formed by then at the last);
 - reduce: the end of the backward: the whole gradient and the copies DeepSpeed reduces
   (ZeRO-0/1 flatten and average a copy of every gradient, ZeRO-2 the bucket and its averaged
   copy, ZeRO-3 the gradients, their reduce-scatter copy and the contiguous bucket);
@@ -159,22 +160,37 @@ def step_memory(
     elif stage == 2:  # the averaged partition between micro-batches; the bucket and its copy
         held, formed, copies = (4 * part if accumulating else 0), bucket * p, bucket * p
     else:  # 2+ ranks: the small parameters whole beside the partition; the fp32 gradient
-        # partition and (2+ ranks) the optimizer's own fp32 gradient buffer, plus with offload the
-        # host-side partition DeepSpeed keeps (on a CPU device the same memory)
+        # partition, and with offload the host-side one DeepSpeed keeps (on a CPU the same memory)
         small = sum(k for k in shapes.param_numels if k < ds.param_persistence_threshold)
         params = part * p + (small * p if world > 1 else 0)
-        held = (8 if world > 1 else 4) * part + (4 * part if ds.offload_optimizer else 0)
+        held = 4 * part + (4 * part if ds.offload_optimizer else 0)
         formed, copies = bucket * p, 2 * bucket * p  # + their reduce-scatter copy and the bucket
+        if world > 1:  # still gathered: the parameters whose backward is yet to run (at the end,
+            # the last modules' own: the input embedding and a block)
+            copies += max(n - bucket, shapes.input_params + shapes.block_params) * p
         step_temps = (8 if ds.offload_optimizer else 12) * part
     gathered = min(n, DS_MAX_LIVE_PARAMETERS) * p if stage == 3 and world > 1 else 0
     saved = saved_activation_bytes(cfg, tokens, p)
     recompute = recompute_bytes(cfg, tokens, p) if ds.activation_checkpointing else 0
     loss = loss_head_bytes(cfg, tokens, loss_impl, p)
     fresh = 0 if stage == 3 or (stage < 2 and accumulating) else formed  # gradients formed by now
+    # a bucket smaller than the model is reduced during the backward, beside the activations of
+    # the blocks still to run backward (at the first bucket, the rest of the model's share)
+    pending = saved * max(n - bucket, 0) // n if stage >= 2 and n else 0
     moments = {
         "loss": dict(gradients=held, activations=saved, loss_head=loss, zero_buffers=gathered),
-        "backward": dict(gradients=held + fresh, activations=saved + recompute, zero_buffers=gathered),
-        "reduce": dict(gradients=max(held, formed) if stage < 2 else held + formed, zero_buffers=copies),
+        # the checkpointed backward's worst block: its first (every block's input still kept, few
+        # gradients formed) or its last (one input left, the gradients formed)
+        "backward": max(
+            dict(gradients=held, activations=saved + recompute, zero_buffers=gathered),
+            dict(gradients=held + fresh, activations=saved // cfg.model.n_layers + recompute),
+            key=lambda alive: sum(alive.values()),
+        ),
+        "reduce": dict(
+            gradients=max(held, formed) if stage < 2 else held + formed,
+            activations=pending,
+            zero_buffers=copies,
+        ),
         "step": dict(gradients=full_grads if stage < 2 else held, workspace=step_temps),
     }
     host: dict[str, int] = {}

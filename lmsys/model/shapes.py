@@ -20,6 +20,7 @@ class ModelShapes:
     n_params: int  # distinct parameters (a tied matrix once): the model's num_parameters()
     param_numels: tuple[int, ...]  # each distinct parameter's elements
     block_params: int  # parameters of one block
+    input_params: int  # the token embedding's and the positions' (the forward's first module)
     flops_per_token: int  # 6N + 6 L H (d_qk + d_vo) T at the run's T
     recompute_flops_per_token: int  # the blocks' forward again, with activation checkpointing
 
@@ -65,12 +66,15 @@ def _model_shapes(cfg: Config) -> ModelShapes:
         model = Transformer(cfg.model)
     numels = tuple(p.numel() for p in model.parameters())
     block = sum(p.numel() for p in model.blocks[0].parameters()) if len(model.blocks) else 0
+    inputs = ("tok_emb.", "positions.")
+    first = sum(p.numel() for name, p in model.named_parameters() if name.startswith(inputs))
     m, dims = cfg.model, model_dims(cfg.model)
     attention_fwd = 2 * m.n_layers * m.n_heads * (dims.d_qk + dims.d_vo) * cfg.data.seq_len
     return ModelShapes(
         n_params=model.num_parameters(),
         param_numels=numels,
         block_params=block,
+        input_params=first,
         flops_per_token=model.flops_per_token(cfg.data.seq_len),
         recompute_flops_per_token=2 * block * m.n_layers + attention_fwd,
     )

@@ -89,12 +89,13 @@ def peak_rss_bytes() -> int:
 class TensorPeak:
     """The peak of the CPU tensors allocated since start(): the CPU's equivalent of CUDA's
     max_memory_allocated, which RSS is not (glibc keeps memory torch has freed, by a policy that
-    varies run to run: docs/planning.md). It reads the allocator events of torch's profiler
-    (profile_memory): c10's CPU allocator reports every allocation and every free of a block it
-    saw allocated, so the running sum in time order is the bytes alive that were allocated after
-    start(). Only this thread's allocations count (and the autograd engine's on its behalf, which
-    runs a CPU backward on the calling thread). Costs about 1.5 s to start and the profiler's
-    per-op overhead while it runs, so lmsys-train uses it only with trainer.trace_memory=true."""
+    varies run to run: docs/planning.md). It reads the allocation events of torch's profiler
+    (profile_memory): c10's CPU allocator reports every allocation, and every free made on a
+    thread the profiler follows (this one, and the autograd engine's on its behalf). A tensor a
+    gloo worker thread frees last goes unreported; when its address is allocated again the old
+    block is known to be gone, and is taken off then, so such a block counts at most until its
+    memory is reused. Costs about 1.5 s to start and the profiler's per-op overhead while it
+    runs, so lmsys-train uses it only with trainer.trace_memory=true."""
 
     def __init__(self) -> None:
         from torch.profiler import ProfilerActivity, profile  # late: only traced runs load it
@@ -103,26 +104,32 @@ class TensorPeak:
         self.profile.start()
 
     def stop(self) -> tuple[int, str]:
-        """(peak bytes, the ops running at the peak, outermost first) and the profiler stopped."""
+        """(peak bytes, the ops that made the peak's last allocation, outermost first); stops."""
+        from torch._C._profiler import _EventType  # late: only traced runs load it
+
         self.profile.stop()
-        events = self.profile.profiler.kineto_results.events()  # type: ignore[union-attr]
-        memory = sorted(
-            (e.start_ns(), e.nbytes())
-            for e in events
-            if e.name() == "[memory]" and e.device_type().name == "CPU"
-        )
-        live = peak = 0
-        peak_ns = 0
-        for when, nbytes in memory:
-            live += nbytes
-            if live > peak:
-                peak, peak_ns = live, when
-        running = sorted(
-            (e.start_ns(), e.name())
-            for e in events
-            if e.name() != "[memory]" and e.start_ns() <= peak_ns <= e.start_ns() + e.duration_ns()
-        )
-        return peak, " > ".join(name for _, name in running[-4:])
+        tree = self.profile.profiler.kineto_results.experimental_event_tree()  # type: ignore[union-attr]
+        events, pending = [], list(tree)
+        while pending:
+            node = pending.pop()
+            pending.extend(node.children)
+            if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
+                events.append((node.start_time_ns, node.typed[1].ptr, node.typed[1].alloc_size, node))
+        events.sort(key=lambda event: event[0])
+        live: dict[int, int] = {}  # address -> bytes
+        total = peak = 0
+        peak_node = None
+        for _, ptr, size, node in events:
+            total -= live.pop(ptr, 0)  # a free (size < 0), or an unreported one made visible by reuse
+            if size > 0:
+                live[ptr] = size
+                total += size
+            if total > peak:
+                peak, peak_node = total, node
+        chain = []
+        while peak_node is not None and (peak_node := peak_node.parent) is not None:
+            chain.append(peak_node.name)
+        return peak, " > ".join(reversed(chain[:4]))
 
 
 def memory_gb(device: torch.device) -> float:
