@@ -15,6 +15,7 @@ import os
 import resource
 import struct
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -94,8 +95,9 @@ class TensorPeak:
     thread the profiler follows (this one, and the autograd engine's on its behalf). A tensor a
     gloo worker thread frees last goes unreported; when its address is allocated again the old
     block is known to be gone, and is taken off then, so such a block counts at most until its
-    memory is reused. Costs about 1.5 s to start and the profiler's per-op overhead while it
-    runs, so lmsys-train uses it only with trainer.trace_memory=true."""
+    memory is reused, and the peak says how many of its bytes are such blocks. Costs about 1.5 s
+    to start and the profiler's per-op overhead while it runs, so lmsys-train uses it only with
+    trainer.trace_memory=true."""
 
     def __init__(self) -> None:
         from torch.profiler import ProfilerActivity, profile  # late: only traced runs load it
@@ -103,8 +105,9 @@ class TensorPeak:
         self.profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self.profile.start()
 
-    def stop(self) -> tuple[int, str]:
-        """(peak bytes, the ops that made the peak's last allocation, outermost first); stops."""
+    def stop(self) -> TracedPeak:
+        """The peak since start(), the ops that made its last allocation (outermost first), and
+        how much of it is unconfirmed; stops the profiler."""
         from torch._C._profiler import _EventType  # late: only traced runs load it
 
         self.profile.stop()
@@ -117,19 +120,39 @@ class TensorPeak:
                 events.append((node.start_time_ns, node.typed[1].ptr, node.typed[1].alloc_size, node))
         events.sort(key=lambda event: event[0])
         live: dict[int, int] = {}  # address -> bytes
-        total = peak = 0
-        peak_node = None
-        for _, ptr, size, node in events:
+        total = peak = peak_index = 0
+        for index, (_, ptr, size, _) in enumerate(events):
             total -= live.pop(ptr, 0)  # a free (size < 0), or an unreported one made visible by reuse
             if size > 0:
                 live[ptr] = size
                 total += size
             if total > peak:
-                peak, peak_node = total, node
-        chain = []
-        while peak_node is not None and (peak_node := peak_node.parent) is not None:
-            chain.append(peak_node.name)
-        return peak, " > ".join(reversed(chain[:4]))
+                peak, peak_index = total, index
+        # the blocks alive at the peak whose free nobody saw (their address allocated again later):
+        # freed on another thread at some time before that, so perhaps already before the peak
+        alive = {}
+        for _, ptr, size, _ in events[: peak_index + 1]:
+            alive.pop(ptr, None)
+            if size > 0:
+                alive[ptr] = size
+        unconfirmed = 0
+        for _, ptr, size, _ in events[peak_index + 1 :]:
+            held = alive.pop(ptr, 0)
+            if size > 0:
+                unconfirmed += held
+        chain, node = [], events[peak_index][3] if events else None
+        while node is not None and (node := node.parent) is not None:
+            chain.append(node.name)
+        return TracedPeak(peak, unconfirmed, " > ".join(reversed(chain[:4])))
+
+
+@dataclass(frozen=True)
+class TracedPeak:
+    bytes: int
+    # of those, blocks whose free went unseen (a gloo thread dropped them last): alive at the peak
+    # or already freed, so the tensors' true peak lies in [bytes - unconfirmed_bytes, bytes]
+    unconfirmed_bytes: int
+    during: str  # the ops that made the peak's last allocation, outermost first
 
 
 def memory_gb(device: torch.device) -> float:

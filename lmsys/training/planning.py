@@ -505,8 +505,8 @@ def measured_peak_bytes(device: torch.device, baseline_rss: int, trace: TensorPe
     if device.type == "cuda":
         return Measured(int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated")
     if trace is not None:
-        peak, during = trace.stop()
-        return Measured(peak, "traced_tensors", during)
+        traced = trace.stop()
+        return Measured(traced.bytes, "traced_tensors", traced.during, traced.unconfirmed_bytes)
     return Measured(peak_rss_bytes() - baseline_rss, "rss")
 
 
@@ -514,7 +514,8 @@ def measured_peak_bytes(device: torch.device, baseline_rss: int, trace: TensorPe
 class Measured:
     bytes: int
     by: str  # cuda_max_allocated | traced_tensors | rss: what the prediction is compared with
-    during: str = ""  # traced: the ops running at the peak, outermost first
+    during: str = ""  # traced: the ops that made the peak, outermost first
+    unconfirmed: int = 0  # traced: bytes of the peak whose free went unseen (TracedPeak)
 
     def predicted(self, plan: Plan) -> int:
         """The plan's figure for this measure: the tensors alone, or with the runtime for RSS."""

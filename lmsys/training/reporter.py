@@ -112,20 +112,30 @@ class Reporter:
             f"written in the background in {write_s:.2f} s)"
         )
 
-    def memory_measured(self, step: int, plan: Plan | None, peaks: list[int], measured: Measured) -> None:
-        """After the first applied step (rank 0): the measured peak of every rank (lmsys.training.
+    def memory_measured(
+        self, step: int, plan: Plan | None, ranks: list[dict[str, int]], measured: Measured
+    ) -> None:
+        """After the second applied step (rank 0): every rank's measured peak (lmsys.training.
         planning.measured_peak_bytes; `measured` is rank 0's, for how it was taken) beside the
         prediction, as a line and a `memory` record."""
-        largest = max(peaks, default=0)
+        peaks = [int(r["measured_peak_bytes"]) for r in ranks]
+        largest = max(range(len(peaks)), key=peaks.__getitem__, default=None)
         predicted = measured.predicted(plan) if plan is not None else None
         if self.logger is not None:
-            values: dict[str, Any] = {"measured_peak_bytes": largest, "measured_peak_bytes_per_rank": peaks}
-            values.update(predicted_peak_bytes=predicted, measured_by=measured.by)
-            if measured.during:
+            values: dict[str, Any] = {
+                "measured_peak_bytes": peaks[largest] if largest is not None else 0,
+                "measured_peak_bytes_per_rank": peaks,
+                "predicted_peak_bytes": predicted,
+                "measured_by": measured.by,
+            }
+            if measured.by == "traced_tensors" and largest is not None:
+                values["measured_peak_unconfirmed_bytes"] = int(
+                    ranks[largest]["measured_peak_unconfirmed_bytes"]
+                )
                 values["rank0_peak_during"] = measured.during
             self.logger.log("memory", step, values, to_wandb=False)
         if predicted is not None:
-            self.note(memory_line(predicted, largest, measured.by))
+            self.note(memory_line(predicted, max(peaks, default=0), measured.by))
 
     def summary(self, values: dict[str, Any]) -> None:
         if self.logger is not None:

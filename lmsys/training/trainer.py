@@ -442,12 +442,13 @@ class Trainer:
         measured = measured_peak_bytes(self.setup.device, self.baseline_rss, self.memory_trace)
         self.memory_trace = None
         mine = {**eng.shard_stats(self.engine), "measured_peak_bytes": measured.bytes}
+        mine["measured_peak_unconfirmed_bytes"] = measured.unconfirmed
         dist.all_gather_object(gathered, mine)
         if self.setup.rank == 0:
             stats = {"engine": self.engine_info.as_dict(), "ranks": gathered}
             rundir.write_json(self.run_dir, rundir.ENGINE_STATS_FILE, stats)
-            peaks = [int(r["measured_peak_bytes"]) for r in gathered if r is not None]
-            self.report.memory_measured(self.state.step, self.memory, peaks, measured)
+            ranks = [r for r in gathered if r is not None]
+            self.report.memory_measured(self.state.step, self.memory, ranks, measured)
 
     def val_coverage(self) -> str:
         """`all 240 val sequences` or `224 of 240 val sequences`."""

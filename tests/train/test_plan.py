@@ -239,9 +239,7 @@ def test_a_real_run_reports_its_measured_peak_beside_the_prediction(runs):
 
 
 @pytest.mark.parametrize("stage, loss_impl", [(0, "full"), (2, "chunked")])
-def test_a_traced_run_measures_its_tensors_and_the_plan_predicts_them(
-    prepared_data, tmp_path, stage, loss_impl
-):
+def test_a_traced_run_measures_the_tensors_the_plan_predicts(prepared_data, tmp_path, stage, loss_impl):
     """trainer.trace_memory=true: the peak of the tensors from torch's allocator events (not RSS,
     which glibc's retention moves), the ops at the peak named, within 10% of the plan's tensors."""
     overrides = [
@@ -260,14 +258,16 @@ def test_a_traced_run_measures_its_tensors_and_the_plan_predicts_them(
     assert record["measured_by"] == "traced_tensors" and record["rank0_peak_during"], record
     plan = plan_launch(compose(overrides), 1, device_spec("cpu"), cpu_rate=1e9, suggest=False)
     assert record["predicted_peak_bytes"] == plan.tensor_bytes
-    assert abs(record["measured_peak_bytes"] / plan.tensor_bytes - 1) < 0.10, (record, plan.components)
+    # the true peak lies in [measured - unseen frees, measured] (TracedPeak): within 10% of that
+    measured, unseen = record["measured_peak_bytes"], record["measured_peak_unconfirmed_bytes"]
+    assert (measured - unseen) * 0.9 <= plan.tensor_bytes <= measured * 1.1, (record, plan.components)
     assert "(tensors, traced)" in run.stdout
 
 
 def test_the_tensor_trace_counts_what_is_alive_from_its_start():
     """A known pattern: 8 MiB held from before the trace and freed in it (no negative count),
-    16 MiB then 8 MiB allocated, the 16 freed, 4 allocated: the peak is 24 MiB, during the ops
-    that allocated it."""
+    16 MiB then 8 MiB allocated, the 16 freed, 4 allocated: the peak is 24 MiB, made by the op
+    that allocated the 8."""
     mib = 2**20
     before = torch.empty(2 * mib)  # 8 MiB
     trace = TensorPeak()
@@ -276,10 +276,39 @@ def test_the_tensor_trace_counts_what_is_alive_from_its_start():
     second = torch.ones(2 * mib)
     del first
     third = torch.zeros(mib)
-    peak, during = trace.stop()
-    assert abs(peak - 24 * mib) < mib // 4, peak / mib
-    assert "aten::ones" in during, during
+    traced = trace.stop()
+    assert abs(traced.bytes - 24 * mib) < mib // 4 and traced.unconfirmed_bytes == 0, traced
+    assert "aten::ones" in traced.during, traced.during
     del second, third
+
+
+THREAD_FREED = """
+import json, threading, torch
+from lmsys.training.metrics import TensorPeak
+mib = 2**20
+trace = TensorPeak()
+kept = torch.empty(2 * mib)  # 8 MiB
+box = [torch.empty(mib)]  # 4 MiB, its last reference dropped by another thread
+address = box[0].data_ptr()
+dropper = threading.Thread(target=box.clear)
+dropper.start()
+dropper.join()
+again = torch.empty(mib)  # 4 MiB at the same address (glibc's fixed mmap threshold: unmapped, mapped)
+traced = trace.stop()
+print(json.dumps([again.data_ptr() == address, traced.bytes / mib, traced.unconfirmed_bytes / mib]))
+"""
+
+
+def test_a_block_freed_on_another_thread_counts_until_its_address_is_reused():
+    """A tensor whose last reference another thread drops (as gloo's workers do) is freed where
+    the profiler cannot see it. When its address comes back, the trace takes it off instead of
+    counting it twice (8 + 4 + 4 MiB), and says the peak includes a block whose free went unseen."""
+    env = {**child_env(), "MALLOC_MMAP_THRESHOLD_": "65536"}  # every 4 MiB block its own mapping
+    script = [sys.executable, "-c", THREAD_FREED]
+    out = subprocess.run(script, env=env, capture_output=True, text=True, check=True, cwd=REPO_ROOT)
+    reused, peak_mib, unconfirmed_mib = json.loads(out.stdout.strip().splitlines()[-1])
+    assert reused, "the address was not reused: the scenario did not happen"
+    assert abs(peak_mib - 12) < 0.25 and abs(unconfirmed_mib - 4) < 0.25, (peak_mib, unconfirmed_mib)
 
 
 def test_the_measured_peak_is_the_runs_own_not_its_launchers():
