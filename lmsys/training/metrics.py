@@ -9,6 +9,7 @@ live in `<run_dir>/wandb`. The API key is never written anywhere by lmsys.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -140,10 +141,26 @@ class TensorPeak:
             held = alive.pop(ptr, 0)
             if size > 0:
                 unconfirmed += held
+        # the rest never ended in the trace: those no tensor holds now were freed unseen too
+        held_now = _tensor_storages()
+        unconfirmed += sum(size for ptr, size in alive.items() if ptr not in held_now)
         chain, node = [], events[peak_index][3] if events else None
         while node is not None and (node := node.parent) is not None:
             chain.append(node.name)
         return TracedPeak(peak, unconfirmed, " > ".join(reversed(chain[:4])))
+
+
+def _tensor_storages() -> set[int]:
+    """The addresses of every CPU tensor's storage that Python objects hold now (by type, not
+    isinstance: isinstance reads __class__, which some deprecated objects warn on)."""
+    found = set()
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
+            try:
+                found.add(obj.untyped_storage().data_ptr())
+            except RuntimeError:  # a tensor without storage (sparse, a wrapper subclass)
+                pass
+    return found
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,7 @@ class Trainer:
 
         self.memory, self.baseline_rss = memory, rss_bytes()  # before the model: lmsys.training.planning
         traced = t.trace_memory and setup.device.type == "cpu"
-        self.memory_trace = TensorPeak() if traced else None  # from here to the first applied step
+        self.memory_trace = TensorPeak() if traced else None  # until the second applied step
         cfg = replace(cfg, optim=replace(cfg.optim, decay_steps=schedule_horizon(cfg, run.resume)))
         self.cfg, self.setup, self.run_dir, self.console = cfg, setup, run.run_dir, console
         self.report = Reporter(console, cfg.logger.log_interval, cfg.logger.plot)
