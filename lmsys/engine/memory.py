@@ -36,6 +36,9 @@ from lmsys.model.shapes import ModelShapes
 # it again, up to stage3_max_live_parameters (DeepSpeed's default, 1e9, which lmsys leaves): for
 # every model here the whole model, gathered beside the partition.
 DS_MAX_LIVE_PARAMETERS = 1_000_000_000
+# DeepSpeed's engine all-reduces ZeRO-0's gradients in flattened buffers of at most this many
+# elements (its MEMORY_OPT_ALLREDUCE_SIZE)
+DS_ALLREDUCE_ELEMENTS = 500_000_000
 PHASES = ("loss", "backward", "reduce", "step")
 
 
@@ -152,11 +155,15 @@ def step_memory(
     optimizer = 12 * part if stage else 8 * n + wide * n
     full_grads = n * (p + wide)
     step_temps = 8 * part  # from ZeRO-1 the partition's fp32 gradient and one AdamW temporary
-    if stage == 0:
-        held, formed, copies = (full_grads if accumulating else 0), full_grads, n * p
+    if stage == 0:  # the engine's own all-reduce flattens up to 5e8 elements at a time
+        held, formed, copies = (
+            (full_grads if accumulating else 0),
+            full_grads,
+            min(n, DS_ALLREDUCE_ELEMENTS) * p,
+        )
         step_temps = 2 * 4 * max(shapes.param_numels, default=0)  # per parameter, the largest
-    elif stage == 1:
-        held, formed, copies = (full_grads if accumulating else 0), full_grads, n * p
+    elif stage == 1:  # ZeRO-1 reduces a bucket at a time
+        held, formed, copies = (full_grads if accumulating else 0), full_grads, bucket * p
     elif stage == 2:  # the averaged partition between micro-batches; the bucket and its copy
         held, formed, copies = (4 * part if accumulating else 0), bucket * p, bucket * p
     else:  # 2+ ranks: the small parameters whole beside the partition; the fp32 gradient
@@ -191,7 +198,11 @@ def step_memory(
             activations=pending,
             zero_buffers=copies,
         ),
-        "step": dict(gradients=full_grads if stage < 2 else held, workspace=step_temps),
+        # ZeRO-1 on 2+ ranks has let the whole gradient go once its partition is averaged
+        "step": dict(
+            gradients=held if stage >= 2 else 0 if stage == 1 and world > 1 else full_grads,
+            workspace=step_temps,
+        ),
     }
     host: dict[str, int] = {}
     if ds.offload_optimizer and stage >= 1:
