@@ -142,10 +142,12 @@ class Plan:
     def startup_line(self) -> str:
         """lmsys-train's startup line: the prediction it checks against the measured peak."""
         verdict = "fits" if self.fits else "does NOT fit"
+        runtime = self.components["runtime"]
+        beside = f" + {mib(runtime)} of the process's own" if runtime else ""
         return (
-            f"memory: predicted {mib(self.allocated_bytes)} per rank ({mib(self.peak_bytes)} with the "
-            f"allocator margin; {verdict} {mib(self.device_bytes)}), about {self.step_time_s:.3g} s per step "
-            f"(lmsys-plan lists the components)"
+            f"memory: predicted {mib(self.tensor_bytes)} of tensors per rank{beside} ({mib(self.peak_bytes)} "
+            f"with the allocator margin; {verdict} {mib(self.device_bytes)}), about {self.step_time_s:.3g} s "
+            f"per step (lmsys-plan lists the components)"
         )
 
     def as_json(self) -> dict[str, Any]:
@@ -522,7 +524,11 @@ class Measured:
         return plan.allocated_bytes if self.by == "rss" else plan.tensor_bytes
 
 
-MEASURED_BY = {"cuda_max_allocated": "", "traced_tensors": " (tensors, traced)", "rss": " (peak RSS)"}
+MEASURED_BY = {
+    "cuda_max_allocated": "",
+    "traced_tensors": " (tensors, traced)",
+    "rss": " (peak RSS, with what glibc keeps; trainer.trace_memory=true counts the tensors)",
+}
 
 
 def memory_line(predicted: int, measured: int, by: str = "cuda_max_allocated") -> str:
