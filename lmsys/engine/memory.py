@@ -153,7 +153,7 @@ def step_memory(
     # in fp32 the weights are the master), the gradient kept between micro-batches
     params = n * p
     optimizer = 12 * part if stage else 8 * n + wide * n
-    full_grads = n * (p + wide)
+    full_grads = n * (p + (wide if stage == 0 else 0))  # ZeRO-1/2 keep bf16 gradients, fp32 partitions
     step_temps = 8 * part  # from ZeRO-1 the partition's fp32 gradient and one AdamW temporary
     if stage == 0:  # the engine's own all-reduce flattens up to 5e8 elements at a time
         held, formed, copies = (
