@@ -10,9 +10,10 @@ micro-batches):
   chunked loss forms its gradients in the forward, the full one in its backward), beside the
   gradients accumulated so far and, at ZeRO-3 on 2+ ranks, every parameter gathered for the
   forward (kept until its backward: stage3_max_live_parameters);
-- backward (with activation checkpointing): one block recomputed with its backward's transient
-  gradients, beside every block's input at the first block (or one input and the gradients
-  formed by then at the last);
+- backward: one block's backward beside the saved activations of the blocks still to run and
+  the gradients formed by then, at the first block to run it or at the last (with activation
+  checkpointing the block's forward is recomputed first, with its transient gradients; without,
+  the loss or reduce moment holds more on every row measured);
 - reduce: the end of the backward: the whole gradient and the copies DeepSpeed reduces
   (ZeRO-0/1 flatten and average a copy of every gradient, ZeRO-2 the bucket and its averaged
   copy, ZeRO-3 the gradients, their reduce-scatter copy and the contiguous bucket);
@@ -186,8 +187,9 @@ def step_memory(
     pending = saved * max(n - bucket, 0) // n if stage >= 2 and n else 0
     moments = {
         "loss": dict(gradients=held, activations=saved, loss_head=loss, zero_buffers=gathered),
-        # the checkpointed backward's worst block: its first (every block's input still kept, few
-        # gradients formed) or its last (one input left, the gradients formed)
+        # the backward's worst block: its first (every block's activations, or with checkpointing
+        # its input, still kept, few gradients formed) or its last (one block's left, the gradients
+        # formed); recompute is 0 without checkpointing
         "backward": max(
             dict(gradients=held, activations=saved + recompute, zero_buffers=gathered),
             dict(gradients=held + fresh, activations=saved // cfg.model.n_layers + recompute),

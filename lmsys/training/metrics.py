@@ -88,66 +88,103 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # no procfs: KiB on Linux
 
 
+AllocationEvent = tuple[int, int, int, Any]  # (time ns, address, +bytes or -bytes, profiler node)
+UnseenFree = tuple[int, int, int | None]  # (address, allocated at, allocated again at or None)
+
+
 class TensorPeak:
     """The peak of the CPU tensors allocated since start(): the CPU's equivalent of CUDA's
     max_memory_allocated, which RSS is not (glibc keeps memory torch has freed, by a policy that
     varies run to run: docs/planning.md). It reads the allocation events of torch's profiler
     (profile_memory): c10's CPU allocator reports every allocation, and every free made on a
     thread the profiler follows (this one, and the autograd engine's on its behalf). A tensor a
-    gloo worker thread frees last goes unreported; when its address is allocated again the old
-    block is known to be gone, and is taken off then, so such a block counts at most until its
-    memory is reused, and the peak says how many of its bytes are such blocks. Costs about 1.5 s
-    to start and the profiler's per-op overhead while it runs, so lmsys-train uses it only with
-    trainer.trace_memory=true."""
+    gloo worker thread frees last goes unreported. Such a block is known to be gone when its
+    address is allocated again (or, at the end, when no tensor holds it): it counts until then,
+    which bounds the peak from above. It cannot have been freed before the last op that read it
+    (the profiler records each op's inputs): freeing it there bounds the peak from below. The
+    result gives both. Costs about 1.5 s to start and the profiler's per-op overhead while it
+    runs, so lmsys-train uses it only with trainer.trace_memory=true."""
 
     def __init__(self) -> None:
         from torch.profiler import ProfilerActivity, profile  # late: only traced runs load it
 
-        self.profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True)
         self.profile.start()
 
     def stop(self) -> TracedPeak:
         """The peak since start(), the ops that made its last allocation (outermost first), and
-        how much of it is unconfirmed; stops the profiler."""
+        how much of it may be blocks already freed unseen; stops the profiler."""
         from torch._C._profiler import _EventType  # late: only traced runs load it
 
         self.profile.stop()
         tree = self.profile.profiler.kineto_results.experimental_event_tree()  # type: ignore[union-attr]
-        events, pending = [], list(tree)
+        events: list[AllocationEvent] = []
+        reads: list[tuple[int, int]] = []  # (address of a storage an op took as input, the op's end)
+        pending = list(tree)
         while pending:
             node = pending.pop()
             pending.extend(node.children)
-            if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
-                events.append((node.start_time_ns, node.typed[1].ptr, node.typed[1].alloc_size, node))
+            kind, fields = node.typed
+            if kind == _EventType.Allocation and fields.device.type == "cpu":
+                events.append((node.start_time_ns, fields.ptr, fields.alloc_size, node))
+            elif kind == _EventType.TorchOp:
+                reads += [(address, node.end_time_ns) for address in _input_storages(fields.inputs)]
         events.sort(key=lambda event: event[0])
-        live: dict[int, int] = {}  # address -> bytes
-        total = peak = peak_index = 0
-        for index, (_, ptr, size, _) in enumerate(events):
-            total -= live.pop(ptr, 0)  # a free (size < 0), or an unreported one made visible by reuse
-            if size > 0:
-                live[ptr] = size
-                total += size
-            if total > peak:
-                peak, peak_index = total, index
-        # the blocks alive at the peak whose free nobody saw (their address allocated again later):
-        # freed on another thread at some time before that, so perhaps already before the peak
-        alive = {}
-        for _, ptr, size, _ in events[: peak_index + 1]:
-            alive.pop(ptr, None)
-            if size > 0:
-                alive[ptr] = size
-        unconfirmed = 0
-        for _, ptr, size, _ in events[peak_index + 1 :]:
-            held = alive.pop(ptr, 0)
-            if size > 0:
-                unconfirmed += held
-        # the rest never ended in the trace: those no tensor holds now were freed unseen too
+        upper, upper_index, unseen = _running_peak(events)
+        if not unseen:
+            return TracedPeak(upper, 0, _ops_above(events[upper_index][3] if events else None))
+        # each unseen block freed at its last read (or its allocation) before its address came back
         held_now = _tensor_storages()
-        unconfirmed += sum(size for ptr, size in alive.items() if ptr not in held_now)
-        chain, node = [], events[peak_index][3] if events else None
-        while node is not None and (node := node.parent) is not None:
-            chain.append(node.name)
-        return TracedPeak(peak, unconfirmed, " > ".join(reversed(chain[:4])))
+        last_read: dict[int, list[int]] = {}
+        for ptr, end in reads:
+            last_read.setdefault(ptr, []).append(end)
+        early_frees = []
+        for ptr, born, gone in unseen:
+            if gone is None and ptr in held_now:
+                continue  # alive at the end: its free did not go unseen
+            ends = [end for end in last_read.get(ptr, ()) if born <= end and (gone is None or end <= gone)]
+            early_frees.append((max(ends, default=born), ptr, -1, None))
+        # a free and an allocation at one instant: the free first
+        lower = _running_peak(sorted(events + early_frees, key=lambda event: (event[0], event[2] > 0)))[0]
+        return TracedPeak(upper, upper - lower, _ops_above(events[upper_index][3] if events else None))
+
+
+def _running_peak(events: list[AllocationEvent]) -> tuple[int, int, list[UnseenFree]]:
+    """The peak of the live blocks over time-ordered allocation events, its index, and the blocks
+    whose free no event reported."""
+    live: dict[int, tuple[int, int]] = {}  # address -> (bytes, allocated at)
+    unseen: list[UnseenFree] = []
+    total = peak = peak_index = 0
+    for index, (time, ptr, size, _) in enumerate(events):
+        if ptr in live:
+            held, born = live.pop(ptr)
+            total -= held
+            if size > 0:  # allocated again without a free in between: the free went unseen
+                unseen.append((ptr, born, time))
+        if size > 0:
+            live[ptr] = (size, time)
+            total += size
+        if total > peak:
+            peak, peak_index = total, index
+    unseen += [(ptr, born, None) for ptr, (_, born) in live.items()]
+    return peak, peak_index, unseen
+
+
+def _input_storages(inputs: list[Any]) -> Iterator[int]:
+    """The storage addresses of an op's recorded inputs (a tensor, or a list of them)."""
+    for value in inputs:
+        for tensor in value if isinstance(value, list) else (value,):
+            address = getattr(tensor, "storage_data_ptr", None)
+            if address:
+                yield address
+
+
+def _ops_above(node: Any) -> str:
+    """The ops enclosing a profiler event, outermost first (four at most)."""
+    chain = []
+    while node is not None and (node := node.parent) is not None:
+        chain.append(node.name)
+    return " > ".join(reversed(chain[:4]))
 
 
 def _tensor_storages() -> set[int]:
@@ -166,8 +203,9 @@ def _tensor_storages() -> set[int]:
 @dataclass(frozen=True)
 class TracedPeak:
     bytes: int
-    # of those, blocks whose free went unseen (a gloo thread dropped them last): alive at the peak
-    # or already freed, so the tensors' true peak lies in [bytes - unconfirmed_bytes, bytes]
+    # how much of it may be blocks already freed unseen (a gloo thread dropped them last): the peak
+    # with each such free at its last read, so the tensors' true peak lies in
+    # [bytes - unconfirmed_bytes, bytes]
     unconfirmed_bytes: int
     during: str  # the ops that made the peak's last allocation, outermost first
 

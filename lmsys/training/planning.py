@@ -531,6 +531,9 @@ MEASURED_BY = {
 }
 
 
-def memory_line(predicted: int, measured: int, by: str = "cuda_max_allocated") -> str:
+def memory_line(predicted: int, measured: int, by: str = "cuda_max_allocated", unconfirmed: int = 0) -> str:
     diff = (measured - predicted) / predicted if predicted else 0.0
-    return f"memory: predicted {mib(predicted)}, measured {mib(measured)}{MEASURED_BY[by]} ({diff:+.0%})"
+    line = f"memory: predicted {mib(predicted)}, measured {mib(measured)}{MEASURED_BY[by]} ({diff:+.0%})"
+    if unconfirmed:  # a traced peak with frees a gloo thread made unseen (TracedPeak)
+        line += f"; {mib(unconfirmed)} of it may be blocks a gloo thread had already freed"
+    return line

@@ -120,22 +120,23 @@ class Reporter:
         prediction, as a line and a `memory` record."""
         peaks = [int(r["measured_peak_bytes"]) for r in ranks]
         largest = max(range(len(peaks)), key=peaks.__getitem__, default=None)
+        peak = peaks[largest] if largest is not None else 0
+        traced = measured.by == "traced_tensors" and largest is not None
+        unconfirmed = int(ranks[largest]["measured_peak_unconfirmed_bytes"]) if traced else 0
         predicted = measured.predicted(plan) if plan is not None else None
         if self.logger is not None:
             values: dict[str, Any] = {
-                "measured_peak_bytes": peaks[largest] if largest is not None else 0,
+                "measured_peak_bytes": peak,
                 "measured_peak_bytes_per_rank": peaks,
                 "predicted_peak_bytes": predicted,
                 "measured_by": measured.by,
             }
-            if measured.by == "traced_tensors" and largest is not None:
-                values["measured_peak_unconfirmed_bytes"] = int(
-                    ranks[largest]["measured_peak_unconfirmed_bytes"]
-                )
+            if traced:
+                values["measured_peak_unconfirmed_bytes"] = unconfirmed
                 values["rank0_peak_during"] = measured.during
             self.logger.log("memory", step, values, to_wandb=False)
         if predicted is not None:
-            self.note(memory_line(predicted, max(peaks, default=0), measured.by))
+            self.note(memory_line(predicted, peak, measured.by, unconfirmed))
 
     def summary(self, values: dict[str, Any]) -> None:
         if self.logger is not None:
