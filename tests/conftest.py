@@ -15,10 +15,10 @@ EXPORT_TESTS = "tests/export"  # as node ids name it (relative to the repository
 
 # The units that take longest under `make test` (3 workers), longest first (seconds of wall time
 # per unit, 2026-11-27, docs/performance.md): they start first, so no long unit is left to run alone
-# at the end. tests/kernels/test_inspect.py waits for its kernels.inspect job (about 7 CPU-minutes),
-# which starts with it. Units not named follow, the largest (in tests) first.
+# at the end. Units not named follow, the largest (in tests) first, and last the units whose tests
+# wait for a background job (tests/kernels/test_inspect.py's kernels.inspect subset, about 5
+# CPU-minutes), which by then has had the session's idle cores.
 SLOWEST_SCOPES = (
-    "tests/kernels/test_inspect.py",  # 654
     EXPORT_TESTS,  # 762
     "tests/launch/test_slurm.py",  # 273
     "tests/train/test_matrix.py",  # 270
@@ -89,30 +89,33 @@ def worker_unit(nodeid: str) -> str:
     return EXPORT_TESTS if module.startswith(EXPORT_TESTS + "/") else module
 
 
+def pytest_configure(config) -> None:
+    if not xdist_worker():  # the controlling process, before any worker starts
+        background.open_session()
+
+
 def pytest_collection_modifyitems(session, config, items) -> None:
     """Tests that wait for a background job run last, when it has had the whole session to finish
     (in their own order, so module-scoped fixtures are still set up once). In an xdist worker, the
-    units are ordered longest first (SLOWEST_SCOPES, then the largest), and a unit's tests that
-    wait for its background job last within it."""
+    units are ordered longest first (SLOWEST_SCOPES, then the largest), then the units with a test
+    that waits for a background job, and such tests last within their unit."""
     if not xdist_worker():
         items.sort(key=lambda item: bool(_background_fixtures(item)))  # stable
         return
     sizes = Counter(worker_unit(item.nodeid) for item in items)
+    waiting = {worker_unit(item.nodeid) for item in items if _background_fixtures(item)}
 
-    def start_order(item) -> tuple[int, int, str, bool]:
+    def start_order(item) -> tuple[bool, int, int, str, bool]:
         unit = worker_unit(item.nodeid)
         slow = SLOWEST_SCOPES.index(unit) if unit in SLOWEST_SCOPES else len(SLOWEST_SCOPES)
-        return slow, -sizes[unit], unit, bool(_background_fixtures(item))
+        return unit in waiting, slow, -sizes[unit], unit, bool(_background_fixtures(item))
 
     items.sort(key=start_order)
 
 
 def pytest_collection_finish(session) -> None:
-    """Start the background jobs of the collected tests. Not in a parallel worker: every worker
-    collects every test, so each would start them all; there a job starts when a test first
-    asks for it (background.result), on the worker that runs its module."""
-    if xdist_worker():
-        return
+    """Start the background jobs of the collected tests (under xdist every worker collects every
+    test; the first to claim a job starts it: tests/background.py)."""
     jobs = {}
     for item in session.items:
         for name in _background_fixtures(item):
@@ -122,6 +125,7 @@ def pytest_collection_finish(session) -> None:
 
 
 def pytest_unconfigure(config) -> None:
-    background.stop_all()
+    if not xdist_worker():  # after every worker
+        background.close_session()
     if _INDUCTOR_CACHE is not None:
         shutil.rmtree(_INDUCTOR_CACHE, ignore_errors=True)

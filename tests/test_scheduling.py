@@ -2,8 +2,9 @@
 real: `pytest -n 3` on a synthetic tree of test modules named like the suite's, with this suite's
 scheduler and ordering hooks. Each unit (a module, or all of tests/export) must run whole on one
 worker, every test exactly once, and the units must start longest first (SLOWEST_SCOPES, then
-the largest). A scheduler that sorts another process's copy of the collection breaks the first
-two: xdist sends each worker indexes into its own collection."""
+the largest), with a unit that waits for a background job (tests/background.py) last. A
+scheduler that sorts another process's copy of the collection breaks the first two: xdist sends
+each worker indexes into its own collection."""
 
 from __future__ import annotations
 
@@ -28,34 +29,52 @@ def _record(request):
         log.write(json.dumps(row) + "\\n")
 """
 
-# {module path: number of tests}: four named units (one of them tests/export, in two modules),
-# and three that are not named, of different sizes.
+# {module path: number of tests}: three named units (one of them tests/export, in two modules),
+# three that are not named, of different sizes, and one whose tests wait for a background job.
+WAITING_UNIT = "tests/kernels/test_waits.py"
 TREE = {
-    SLOWEST_SCOPES[0]: 2,
     "tests/export/test_one.py": 2,
     "tests/export/test_two.py": 3,
-    SLOWEST_SCOPES[2]: 1,
-    SLOWEST_SCOPES[3]: 2,
+    SLOWEST_SCOPES[1]: 1,
+    SLOWEST_SCOPES[2]: 2,
     "tests/unnamed/test_large.py": 5,
     "tests/unnamed/test_medium.py": 3,
     "tests/unnamed/test_small.py": 1,
+    WAITING_UNIT: 6,
 }
+# the waiting unit's module: a background job (never started here: only the ordering hooks run)
+# and a fixture of its name
+WAITING_HEADER = """
+import pytest
+
+BACKGROUND_JOBS = {"job": None}
+
+
+@pytest.fixture
+def job():
+    return None
+"""
 
 
 def start_order(units: dict[str, int]) -> list[str]:
-    """The order the hooks must start units in: SLOWEST_SCOPES first, the rest by size."""
+    """The order the hooks must start units in: SLOWEST_SCOPES first, the rest by size, the unit
+    that waits for a background job last."""
     named = [u for u in SLOWEST_SCOPES if u in units]
-    rest = sorted((u for u in units if u not in SLOWEST_SCOPES), key=lambda u: (-units[u], u))
-    return named + rest
+    rest = sorted(
+        (u for u in units if u not in SLOWEST_SCOPES and u != WAITING_UNIT), key=lambda u: (-units[u], u)
+    )
+    return named + rest + [WAITING_UNIT]
 
 
 def test_three_workers_run_each_unit_whole_longest_first(tmp_path):
-    assert "tests/export" == SLOWEST_SCOPES[1], "TREE names SLOWEST_SCOPES[1] as tests/export's modules"
+    assert "tests/export" == SLOWEST_SCOPES[0], "TREE names SLOWEST_SCOPES[0] as tests/export's modules"
     for module, n in TREE.items():
         path = tmp_path / module
         path.parent.mkdir(parents=True, exist_ok=True)
-        tests = "".join(f"\n\ndef test_{i}(request):\n    _record(request)\n" for i in range(n))
-        path.write_text(TEST_BODY + tests)
+        waits = module == WAITING_UNIT
+        fixtures = "request, job" if waits else "request"
+        tests = "".join(f"\n\ndef test_{i}({fixtures}):\n    _record(request)\n" for i in range(n))
+        path.write_text((WAITING_HEADER if waits else "") + TEST_BODY + tests)
     # the suite's own hooks, imported from this checkout (a conftest at the synthetic root)
     hooks = "from tests.conftest import pytest_collection_modifyitems, pytest_xdist_make_scheduler\n"
     (tmp_path / "conftest.py").write_text(hooks)
@@ -90,5 +109,10 @@ def test_three_workers_run_each_unit_whole_longest_first(tmp_path):
         # a worker runs its units one after another, in the start order
         assert len(sequence) == len(set(sequence)), (worker, sequence)
         assert sequence == sorted(sequence, key=order.index), (worker, sequence, order)
+    # the unit that waits for a background job starts after every other unit has started
+    first_row = {
+        unit: min(i for i, row in enumerate(rows) if worker_unit(row["test"]) == unit) for unit in units
+    }
+    assert max(first_row, key=first_row.__getitem__) == WAITING_UNIT, (first_row, rows)
     # the three longest units are the first each worker starts with
     assert sorted(seq[0] for seq in runs_by_worker.values()) == sorted(order[:3]), (runs_by_worker, order)
