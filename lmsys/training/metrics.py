@@ -16,7 +16,7 @@ import os
 import resource
 import struct
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -131,8 +131,10 @@ class TensorPeak:
                 reads += [(address, node.end_time_ns) for address in _input_storages(fields.inputs)]
         events.sort(key=lambda event: event[0])
         upper, upper_index, unseen = _running_peak(events)
+        during = _ops_above(events[upper_index][3] if events else None)
+        holders = _holders(events[: upper_index + 1])
         if not unseen:
-            return TracedPeak(upper, 0, _ops_above(events[upper_index][3] if events else None))
+            return TracedPeak(upper, 0, during, holders)
         # each unseen block freed at its last read (or its allocation) before its address came back
         held_now = _tensor_storages()
         last_read: dict[int, list[int]] = {}
@@ -146,7 +148,7 @@ class TensorPeak:
             early_frees.append((max(ends, default=born), ptr, -1, None))
         # a free and an allocation at one instant: the free first
         lower = _running_peak(sorted(events + early_frees, key=lambda event: (event[0], event[2] > 0)))[0]
-        return TracedPeak(upper, upper - lower, _ops_above(events[upper_index][3] if events else None))
+        return TracedPeak(upper, upper - lower, during, holders)
 
 
 def _running_peak(events: list[AllocationEvent]) -> tuple[int, int, list[UnseenFree]]:
@@ -170,6 +172,21 @@ def _running_peak(events: list[AllocationEvent]) -> tuple[int, int, list[UnseenF
     return peak, peak_index, unseen
 
 
+def _holders(events: list[AllocationEvent], top: int = 8) -> dict[str, int]:
+    """The blocks alive after these events, grouped by the ops that allocated them: the largest
+    `top` groups, bytes by op chain (outermost first)."""
+    live: dict[int, tuple[int, Any]] = {}
+    for _, ptr, size, node in events:
+        live.pop(ptr, None)
+        if size > 0:
+            live[ptr] = (size, node)
+    groups: dict[str, int] = {}
+    for size, node in live.values():
+        chain = _ops_above(node, depth=3) or "(no op)"
+        groups[chain] = groups.get(chain, 0) + size
+    return dict(sorted(groups.items(), key=lambda item: -item[1])[:top])
+
+
 def _input_storages(inputs: list[Any]) -> Iterator[int]:
     """The storage addresses of an op's recorded inputs (a tensor, or a list of them)."""
     for value in inputs:
@@ -179,12 +196,12 @@ def _input_storages(inputs: list[Any]) -> Iterator[int]:
                 yield address
 
 
-def _ops_above(node: Any) -> str:
-    """The ops enclosing a profiler event, outermost first (four at most)."""
+def _ops_above(node: Any, depth: int = 4) -> str:
+    """The innermost `depth` ops enclosing a profiler event, outermost first."""
     chain = []
     while node is not None and (node := node.parent) is not None:
         chain.append(node.name)
-    return " > ".join(reversed(chain[:4]))
+    return " > ".join(reversed(chain[:depth]))
 
 
 def _tensor_storages() -> set[int]:
@@ -208,6 +225,8 @@ class TracedPeak:
     # [bytes - unconfirmed_bytes, bytes]
     unconfirmed_bytes: int
     during: str  # the ops that made the peak's last allocation, outermost first
+    # the blocks alive at the peak by the ops that allocated them (the largest groups), bytes
+    holders: dict[str, int] = field(default_factory=dict)
 
 
 def memory_gb(device: torch.device) -> float:

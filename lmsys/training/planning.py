@@ -507,8 +507,8 @@ def measured_peak_bytes(device: torch.device, baseline_rss: int, trace: TensorPe
     if device.type == "cuda":
         return Measured(int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated")
     if trace is not None:
-        traced = trace.stop()
-        return Measured(traced.bytes, "traced_tensors", traced.during, traced.unconfirmed_bytes)
+        peak = trace.stop()
+        return Measured(peak.bytes, "traced_tensors", peak.during, peak.unconfirmed_bytes, peak.holders)
     return Measured(peak_rss_bytes() - baseline_rss, "rss")
 
 
@@ -518,6 +518,7 @@ class Measured:
     by: str  # cuda_max_allocated | traced_tensors | rss: what the prediction is compared with
     during: str = ""  # traced: the ops that made the peak, outermost first
     unconfirmed: int = 0  # traced: bytes of the peak whose free went unseen (TracedPeak)
+    holders: dict[str, int] = field(default_factory=dict)  # traced: bytes at the peak by allocating ops
 
     def predicted(self, plan: Plan) -> int:
         """The plan's figure for this measure: the tensors alone, or with the runtime for RSS."""

@@ -134,6 +134,7 @@ class Reporter:
             if traced:
                 values["measured_peak_unconfirmed_bytes"] = unconfirmed
                 values["rank0_peak_during"] = measured.during
+                values["rank0_peak_holders"] = measured.holders
             self.logger.log("memory", step, values, to_wandb=False)
         if predicted is not None:
             self.note(memory_line(predicted, peak, measured.by, unconfirmed))

@@ -256,6 +256,8 @@ def test_a_traced_run_measures_the_tensors_the_plan_predicts(prepared_data, tmp_
     assert run.returncode == 0, run.stderr[-2000:]
     record = run.records("memory")[0]
     assert record["measured_by"] == "traced_tensors" and record["rank0_peak_during"], record
+    holders = record["rank0_peak_holders"]  # the peak's blocks by allocating op: most of the peak
+    assert 0.5 * record["measured_peak_bytes_per_rank"][0] < sum(holders.values()), holders
     plan = plan_launch(compose(overrides), 1, device_spec("cpu"), cpu_rate=1e9, suggest=False)
     assert record["predicted_peak_bytes"] == plan.tensor_bytes
     # the true peak lies in [measured - unseen frees, measured] (TracedPeak): within 10% of that
@@ -267,7 +269,7 @@ def test_a_traced_run_measures_the_tensors_the_plan_predicts(prepared_data, tmp_
 def test_the_tensor_trace_counts_what_is_alive_from_its_start():
     """A known pattern: 8 MiB held from before the trace and freed in it (no negative count),
     16 MiB then 8 MiB allocated, the 16 freed, 4 allocated: the peak is 24 MiB, made by the op
-    that allocated the 8."""
+    that allocated the 8, and held by the ops that allocated the 16 and the 8."""
     mib = 2**20
     before = torch.empty(2 * mib)  # 8 MiB
     trace = TensorPeak()
@@ -279,6 +281,9 @@ def test_the_tensor_trace_counts_what_is_alive_from_its_start():
     traced = trace.stop()
     assert abs(traced.bytes - 24 * mib) < mib // 4 and traced.unconfirmed_bytes == 0, traced
     assert "aten::ones" in traced.during, traced.during
+    # what held the peak, by the op that allocated it: the 16 (empty) and the 8 (ones)
+    largest = [(name.split(" > ")[0], round(size / mib)) for name, size in traced.holders.items()][:2]
+    assert largest == [("aten::empty", 16), ("aten::ones", 8)], traced.holders
     del second, third
 
 
