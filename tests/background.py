@@ -1,7 +1,7 @@
 """Long subprocess work that depends on nothing else in the session, started as soon as collection
-ends at the lowest CPU priority (nice 19). It runs on the cores the tests leave idle (a test
-waiting on its children, one rank importing torch while the other waits), and the fixture that
-needs it waits only for what is left.
+ends. In one process at the lowest CPU priority (nice 19): it runs on the cores the tests leave
+idle (a test waiting on its children, one rank importing torch while the other waits), and the
+fixture that needs it waits only for what is left. Under xdist at normal priority (below).
 
 A test module declares its jobs as `BACKGROUND_JOBS = {fixture name: command factory}`; a job
 starts when collection ends if a collected test of that module uses the fixture (tests/conftest.py).
@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.sharing import xdist_worker
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SESSION_DIR_VARIABLE = "LMSYS_TESTS_BACKGROUND"
@@ -78,8 +80,10 @@ def start(name: str, factory: CommandFactory) -> None:
             stderr=stderr, text=True,
             # Its own process group (close_session() ends its workers too) but not its own
             # session: with the kernel's autogroup scheduling a new session would be a new group
-            # with a fair share of the CPU, whatever its nice value.
-            preexec_fn=_lowest_priority, process_group=0,
+            # with a fair share of the CPU, whatever its nice value. Beside xdist's workers, which
+            # keep the cores busy, at normal priority: at nice 19 it got little CPU until they
+            # were done, and the suite ended waiting 95 s for it alone (2026-11-28).
+            preexec_fn=None if xdist_worker() else _lowest_priority, process_group=0,
         )  # fmt: skip
     (out / GROUP).write_text(str(proc.pid))
     _STARTED_HERE[name] = proc
