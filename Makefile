@@ -47,8 +47,9 @@ train: $(VENV)/.installed
 	$(PY) -m lmsys.generate $(RUN)/export prompt="$(PROMPT)" max_new_tokens=60 temperature=0.8 top_k=40 seed=0
 
 # The suite runs in 3 pytest-xdist workers (tests/sharing.py: each test module whole on one worker,
-# the longest first, the expensive session fixtures made once for all): about 23 min of pytest
-# on 2 cores; one process leaves a third of them idle (docs/performance.md). TEST_WORKERS=0 runs one
+# the longest first, the expensive session fixtures made once for all): 18-28 min of pytest on
+# 2 cores, as the machine's speed varies (CPU-bound: 35-54 CPU-min); one process leaves a third of
+# them idle (docs/performance.md). TEST_WORKERS=0 runs one
 # process (a debugger, -x, a single module's output in order).
 TEST_WORKERS ?= 3
 # compileall first: where PYTHONDONTWRITEBYTECODE is set (as on our build machines) no process
