@@ -89,7 +89,7 @@ def start(name: str, factory: CommandFactory) -> None:
     _STARTED_HERE[name] = proc
 
 
-# the jobs this process started: waited on (and so reaped) here, not polled
+# the jobs this process started, reaped here once they end (their status is read from its file)
 _STARTED_HERE: dict[str, subprocess.Popen] = {}
 
 
@@ -99,13 +99,14 @@ def result(name: str, factory: CommandFactory, timeout: float) -> Result:
     start(name, factory)
     out = _job_dir(name)
     status, deadline = out / EXIT_STATUS, time.monotonic() + timeout
-    if name in _STARTED_HERE:
-        _STARTED_HERE[name].wait(timeout=timeout)
+    # Polled on every path, whoever started it: the deadline below ends the job before raising.
     while not status.exists():
         if time.monotonic() > deadline:
             _end(out)
             raise TimeoutError(f"background job {name} did not end within {timeout:.0f} s")
         time.sleep(1)
+    if name in _STARTED_HERE:
+        _STARTED_HERE.pop(name).wait()  # the shell exits right after writing the status
     completed = subprocess.CompletedProcess(
         [name],
         int(status.read_text()),
