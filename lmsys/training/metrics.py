@@ -119,7 +119,7 @@ class TensorPeak:
         self.profile.stop()
         tree = self.profile.profiler.kineto_results.experimental_event_tree()  # type: ignore[union-attr]
         events: list[AllocationEvent] = []
-        reads: list[tuple[int, int]] = []  # (address of a storage an op took as input, the op's end)
+        ops = []  # their inputs are read only if a free went unseen (a 1-rank run has none)
         pending = list(tree)
         while pending:
             node = pending.pop()
@@ -128,7 +128,7 @@ class TensorPeak:
             if kind == _EventType.Allocation and fields.device.type == "cpu":
                 events.append((node.start_time_ns, fields.ptr, fields.alloc_size, node))
             elif kind == _EventType.TorchOp:
-                reads += [(address, node.end_time_ns) for address in _input_storages(fields.inputs)]
+                ops.append((node.end_time_ns, fields.inputs))
         events.sort(key=lambda event: event[0])
         upper, upper_index, unseen = _running_peak(events)
         during = _ops_above(events[upper_index][3] if events else None)
@@ -137,9 +137,10 @@ class TensorPeak:
             return TracedPeak(upper, 0, during, holders)
         # each unseen block freed at its last read (or its allocation) before its address came back
         held_now = _tensor_storages()
-        last_read: dict[int, list[int]] = {}
-        for ptr, end in reads:
-            last_read.setdefault(ptr, []).append(end)
+        last_read: dict[int, list[int]] = {}  # storage address -> the ends of the ops that read it
+        for end, inputs in ops:
+            for ptr in _input_storages(inputs):
+                last_read.setdefault(ptr, []).append(end)
         early_frees = []
         for ptr, born, gone in unseen:
             if gone is None and ptr in held_now:
