@@ -2,7 +2,7 @@
 real: `pytest -n 3` on a synthetic tree of test modules named like the suite's, with this suite's
 scheduler and ordering hooks. Each unit (a module, or all of tests/export) must run whole on one
 worker, every test exactly once, and the units must start longest first (SLOWEST_SCOPES, then
-the largest), with a unit that waits for a background job (tests/background.py) last. A
+the largest), with a unit that waits for a background job (tests/background.py) sent last. A
 scheduler that sorts another process's copy of the collection breaks the first two: xdist sends
 each worker indexes into its own collection."""
 
@@ -27,6 +27,27 @@ def _record(request):
     with open(os.environ["SCHEDULE_LOG"], "a") as log:
         row = {"worker": os.environ["PYTEST_XDIST_WORKER"], "test": request.node.nodeid}
         log.write(json.dumps(row) + "\\n")
+"""
+
+# The root conftest of the synthetic tree: the suite's hooks, the scheduler's sends logged in order.
+HOOKS = """
+import json, os
+from tests.conftest import pytest_collection_modifyitems
+from tests.conftest import pytest_xdist_make_scheduler as suite_scheduler
+
+
+def pytest_xdist_make_scheduler(config, log):
+    scheduler = suite_scheduler(config, log)
+    assign = scheduler._assign_work_unit
+
+    def logged(node):
+        unit = next(iter(scheduler.workqueue))  # the unit it sends: the queue's first
+        assign(node)
+        with open(os.environ["DISPATCH_LOG"], "a") as dispatch_log:
+            dispatch_log.write(json.dumps(unit) + "\\n")
+
+    scheduler._assign_work_unit = logged
+    return scheduler
 """
 
 # {module path: number of tests}: three named units (one of them tests/export, in two modules),
@@ -76,11 +97,15 @@ def test_three_workers_run_each_unit_whole_longest_first(tmp_path):
         tests = "".join(f"\n\ndef test_{i}({fixtures}):\n    _record(request)\n" for i in range(n))
         path.write_text((WAITING_HEADER if waits else "") + TEST_BODY + tests)
     # the suite's own hooks, imported from this checkout (a conftest at the synthetic root)
-    hooks = "from tests.conftest import pytest_collection_modifyitems, pytest_xdist_make_scheduler\n"
-    (tmp_path / "conftest.py").write_text(hooks)
+    (tmp_path / "conftest.py").write_text(HOOKS)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    log = tmp_path / "schedule.jsonl"
-    env = {**os.environ, "SCHEDULE_LOG": str(log), "PYTHONPATH": str(REPO_ROOT)}
+    log, dispatch_log = tmp_path / "schedule.jsonl", tmp_path / "dispatch.jsonl"
+    env = {
+        **os.environ,
+        "SCHEDULE_LOG": str(log),
+        "DISPATCH_LOG": str(dispatch_log),
+        "PYTHONPATH": str(REPO_ROOT),
+    }
     env.pop("PYTEST_XDIST_WORKER", None)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "3", "-p", "no:cacheprovider"],
@@ -109,10 +134,11 @@ def test_three_workers_run_each_unit_whole_longest_first(tmp_path):
         # a worker runs its units one after another, in the start order
         assert len(sequence) == len(set(sequence)), (worker, sequence)
         assert sequence == sorted(sequence, key=order.index), (worker, sequence, order)
-    # the unit that waits for a background job starts after every other unit has started
-    first_row = {
-        unit: min(i for i, row in enumerate(rows) if worker_unit(row["test"]) == unit) for unit in units
-    }
-    assert max(first_row, key=first_row.__getitem__) == WAITING_UNIT, (first_row, rows)
+    # The units are sent in the start order, the one that waits for a background job last. (When
+    # it starts is not the scheduler's to decide: xdist sends a worker its next unit while it still
+    # has two tests to run, so a fast worker may start it before a slow one starts a unit it was
+    # sent earlier. The suite's units take minutes; here they take milliseconds.)
+    dispatched = [json.loads(line) for line in dispatch_log.read_text().splitlines()]
+    assert dispatched == order, (dispatched, order)
     # the three longest units are the first each worker starts with
     assert sorted(seq[0] for seq in runs_by_worker.values()) == sorted(order[:3]), (runs_by_worker, order)
