@@ -34,10 +34,25 @@ class Device:
     interconnect_bytes_per_s: float | None  # per GPU, NVLink total (both directions)
     source: str
     per_rank: bool = False  # memory_bytes is each rank's own (trainer.plan_memory_bytes), not shared
+    # What offload (ZeRO-Offload) runs over: each GPU's PCIe link, each direction, and the memory
+    # bandwidth of the host of a typical node, shared by its GPUs (both None on the CPU).
+    pcie_bytes_per_s: float | None = None
+    host_bytes_per_s: float | None = None
 
     def as_dict(self) -> dict[str, object]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
+
+# The host side of offload: the node's DRAM peak (channels x transfer rate x 8 bytes per socket, two
+# sockets), shared by the node's GPUs. An assumption about the node, not a property of the GPU.
+_DGX_A100_HOST = (
+    "a DGX A100-like node, 2 AMD EPYC 7742 with 8 channels of DDR4-3200 each (204.8 GB/s per socket), "
+    "409.6 GB/s shared by its GPUs"
+)
+_DGX_H100_HOST = (
+    "a DGX H100-like node, 2 Intel Xeon Platinum 8480C with 8 channels of DDR5-4800 each (307.2 GB/s per "
+    "socket), 614.4 GB/s shared by its GPUs"
+)
 
 GPUS: dict[str, Device] = {
     d.name: d
@@ -45,22 +60,28 @@ GPUS: dict[str, Device] = {
         Device(
             "a100-40gb", "NVIDIA A100 SXM 40GB", "cuda", 40 * GIB, 312e12, 19.5e12, 1555e9, 600e9,
             "NVIDIA A100 Tensor Core GPU datasheet: BF16 312 TFLOPS (dense), FP32 19.5 TFLOPS, "
-            "HBM2 1,555 GB/s, NVLink 600 GB/s",
+            "HBM2 1,555 GB/s, NVLink 600 GB/s, PCIe Gen4 64 GB/s (both directions); host: " + _DGX_A100_HOST,
+            pcie_bytes_per_s=32e9, host_bytes_per_s=2 * 204.8e9,
         ),
         Device(
             "a100-80gb", "NVIDIA A100 SXM 80GB", "cuda", 80 * GIB, 312e12, 19.5e12, 2039e9, 600e9,
             "NVIDIA A100 Tensor Core GPU datasheet: BF16 312 TFLOPS (dense), FP32 19.5 TFLOPS, "
-            "HBM2e 2,039 GB/s, NVLink 600 GB/s",
+            "HBM2e 2,039 GB/s, NVLink 600 GB/s, PCIe Gen4 64 GB/s (both directions); host: " + _DGX_A100_HOST,
+            pcie_bytes_per_s=32e9, host_bytes_per_s=2 * 204.8e9,
         ),
         Device(
             "h100", "NVIDIA H100 SXM 80GB", "cuda", 80 * GIB, 989e12, 67e12, 3.35e12, 900e9,
             "NVIDIA H100 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity = 989 dense, "
-            "FP32 67 TFLOPS, HBM3 3.35 TB/s, NVLink 900 GB/s",
+            "FP32 67 TFLOPS, HBM3 3.35 TB/s, NVLink 900 GB/s, PCIe Gen5 128 GB/s (both directions); "
+            "host: " + _DGX_H100_HOST,
+            pcie_bytes_per_s=64e9, host_bytes_per_s=2 * 307.2e9,
         ),
         Device(
             "h200", "NVIDIA H200 SXM 141GB", "cuda", 141 * GIB, 989e12, 67e12, 4.8e12, 900e9,
             "NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity = 989 dense, "
-            "FP32 67 TFLOPS, HBM3e 4.8 TB/s, NVLink 900 GB/s",
+            "FP32 67 TFLOPS, HBM3e 4.8 TB/s, NVLink 900 GB/s, PCIe Gen5 128 GB/s (both directions); "
+            "host: " + _DGX_H100_HOST,
+            pcie_bytes_per_s=64e9, host_bytes_per_s=2 * 307.2e9,
         ),
     )
 }  # fmt: skip

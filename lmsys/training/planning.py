@@ -20,7 +20,8 @@ the optimizer step; which tensors each holds). The components are those alive at
 Time: FLOPs per step and rank (6N + 6 L H (d_qk + d_vo) T per token, PaLM appendix B, plus the
 recomputed forward with activation checkpointing) over the device's peak times an MFU assumption
 (MFU_ASSUMED, stated in every report); ZeRO's communication is assumed overlapped and only counts
-when it takes longer than the compute. On CPU: over a measured matmul rate times CPU_EFFICIENCY,
+when it takes longer than the compute; offload's host Adam and PCIe copies are added in series
+(offload_time_s). On CPU: over a measured matmul rate times CPU_EFFICIENCY,
 plus what a CPU step spends beside its FLOPs (cpu_overhead_s: the step's bookkeeping, the
 optimizer, ZeRO-3's hooks and gathers, the gradient reductions over gloo, which a CPU does not
 overlap), with constants fitted by the bench.
@@ -63,6 +64,13 @@ CPU_Z3_HOOK_S = 0.155e-3  # ZeRO-3's fetch/release hooks, per parameter per pass
 CPU_Z3_GATHER_S = 4.6e-3  # ZeRO-3, 2+ ranks: one gloo all-gather per partitioned parameter and pass
 CPU_Z3_GATHER_S_PER_BYTE = 0.73e-9  # ZeRO-3: the partitioned parameters' bytes, gathered or copied
 CPU_REDUCE_S_PER_BYTE = 2.9e-9  # 2+ ranks: a gradient reduction over gloo, per byte of ring traffic
+# Offload on a GPU (offload_time_s): DeepSpeed's CPU Adam is bound by host memory. Per parameter it
+# reads the fp32 weight, gradient and both moments (16 bytes) and writes the weight, the moments and
+# the half-precision copy sent back to the GPU (14 bytes), at HOST_EFFICIENCY of the DRAM's peak
+# (about what a streaming kernel reaches): both assumptions, from the update's arithmetic, not
+# measured on a GPU node.
+HOST_ADAM_BYTES_PER_PARAM = 30
+HOST_EFFICIENCY = 0.7
 # Per GPU between nodes (a 400 Gb/s NIC per GPU, as in DGX H100 / A100 nodes): an assumption.
 INTER_NODE_BYTES_PER_S = 50e9
 GPUS_PER_NODE = 8
@@ -258,13 +266,53 @@ def step_time(
     link = device.interconnect_bytes_per_s or INTER_NODE_BYTES_PER_S
     if world > GPUS_PER_NODE:
         link = INTER_NODE_BYTES_PER_S
-    seconds = max(compute, comm_bytes / link)
+    offload = offload_time_s(cfg, world, device, batch)
+    seconds = max(compute, comm_bytes / link) + offload
     mfu = flops / seconds / peak
     source = (
         f"MFU assumed {MFU_ASSUMED:.0%} of {device.label}'s dense peak "
         "(lmsys.training.planning.MFU_ASSUMED), communication overlapped"
     )
+    if offload:
+        source += (
+            f"; offload adds {offload:.3g} s a step, not overlapped: the host's Adam at "
+            f"{HOST_EFFICIENCY:.0%} of {host_share(device, world) / 1e9:.1f} GB/s of host memory per GPU "
+            f"and the copies over PCIe at {device.pcie_bytes_per_s / 1e9:.0f} GB/s each way "
+            "(lmsys.training.devices)"
+        )
     return seconds, flops, mfu, source
+
+
+def host_share(device: Device, world: int) -> float:
+    """Host memory bandwidth per GPU: the node's, shared by the ranks on it (up to GPUS_PER_NODE)."""
+    assert device.host_bytes_per_s, device.name
+    return device.host_bytes_per_s / min(world, GPUS_PER_NODE)
+
+
+def offload_time_s(cfg: Config, world: int, device: Device, batch: BatchPlan) -> float:
+    """Seconds a step spends on offload (ZeRO-Offload) on a GPU, per rank, counted in series with
+    the compute (DeepSpeed overlaps the gradients' copies with the backward in part, so this is
+    high by up to that part): the host's Adam over the rank's partition (offload_optimizer), the
+    partition's gradients copied to the host (after each micro-batch's reduction at ZeRO-2/3, once
+    a step at ZeRO-1) and its updated weights copied back; with offload_param its weights fetched
+    from the host for every pass (forward, backward, the recomputed forward), and written back
+    after the step unless the host's Adam updated them there. 0 on a CPU, where host and device
+    memory are one."""
+    ds = cfg.deepspeed
+    if device.kind != "cuda" or not (ds.offload_optimizer or ds.offload_param):
+        return 0.0
+    assert device.pcie_bytes_per_s, device.name
+    p = 4 if precision_of(cfg, device) == "fp32" else 2
+    partition = math.ceil(model_shapes(cfg).n_params / world)
+    host_s, copied_bytes = 0.0, 0
+    if ds.offload_optimizer:
+        host_s = partition * HOST_ADAM_BYTES_PER_PARAM / (host_share(device, world) * HOST_EFFICIENCY)
+        copied_bytes += (batch.grad_accum if ds.stage >= 2 else 1) * partition * p
+    if ds.offload_param:  # the weights live on the host: fetched for every pass
+        copied_bytes += batch.grad_accum * (3 if ds.activation_checkpointing else 2) * partition * p
+    if not (ds.offload_param and ds.offload_optimizer):  # updated on one side, kept on the other
+        copied_bytes += partition * p
+    return host_s + copied_bytes / device.pcie_bytes_per_s
 
 
 def plan_launch(

@@ -132,6 +132,42 @@ def test_a_cpu_steps_time_beside_its_flops_counts_the_models_parameters_and_pass
     assert plan.step_time_s == pytest.approx(plan.flops_per_step / (1e9 * planning.CPU_EFFICIENCY) + z3_w2)
 
 
+def test_offload_on_a_gpu_adds_the_host_adam_and_the_pcie_copies():
+    """offload_time_s from the rank's partition: the host's Adam (30 bytes a parameter at 70% of
+    the node's DRAM, shared by the ranks on the node, 8 at most), the gradients' copies (one a
+    micro-batch at ZeRO-2/3) and the weights' copy back, or with offload_param the weights
+    fetched for every pass; added in series to the step, and nothing on a CPU."""
+    n = Transformer(compose(SMALL).model).num_parameters()
+    a100 = device_spec("a100-80gb")
+    pcie, node = a100.pcie_bytes_per_s, a100.host_bytes_per_s
+    base = ["trainer.micro_batch_size=2"]  # 2 ranks: accumulation 2; bf16 on a GPU: 2 bytes
+
+    def added(overrides: list[str], world: int = 2) -> float:
+        with_offload = plan_launch(compose([*SMALL, *base, *overrides]), world, a100)
+        without = [o for o in overrides if "offload" not in o]
+        plain = plan_launch(compose([*SMALL, *base, *without]), world, a100)
+        assert "offload adds" in with_offload.mfu_source and "offload" not in plain.mfu_source
+        return with_offload.step_time_s - plain.step_time_s
+
+    half = -(-n // 2)
+    adam = half * planning.HOST_ADAM_BYTES_PER_PARAM / (node / 2 * planning.HOST_EFFICIENCY)
+    zero2 = added(["deepspeed=zero2", "deepspeed.offload_optimizer=true"])
+    assert zero2 == pytest.approx(adam + (2 * half * 2 + half * 2) / pcie)  # 2 reductions, 1 copy back
+    zero1 = added(["deepspeed=zero1", "deepspeed.offload_optimizer=true"])
+    assert zero1 == pytest.approx(adam + (half * 2 + half * 2) / pcie)  # one copy of the gradients
+    both = added(["deepspeed=zero3_offload", "deepspeed.activation_checkpointing=true"])
+    assert both == pytest.approx(adam + (2 * half * 2 + 2 * 3 * half * 2) / pcie)  # 3 passes x 2
+    weights_only = added(["deepspeed=zero3", "deepspeed.offload_param=true"])  # Adam on the GPU
+    assert weights_only == pytest.approx((2 * 2 * half * 2 + half * 2) / pcie)  # and written back
+    # 16 ranks: 8 on a node share its host memory (not 16); on a CPU offload adds nothing
+    wide = compose([*SMALL, "trainer.micro_batch_size=1", "trainer.global_batch_tokens=512",
+                    "deepspeed=zero2", "deepspeed.offload_optimizer=true"])  # fmt: skip
+    batch, sixteenth = plan_launch(wide, 16, a100).batch, -(-n // 16)
+    host = sixteenth * planning.HOST_ADAM_BYTES_PER_PARAM / (node / 8 * planning.HOST_EFFICIENCY)
+    assert planning.offload_time_s(wide, 16, a100, batch) == pytest.approx(host + 2 * sixteenth * 2 / pcie)
+    assert planning.offload_time_s(wide, 16, device_spec("cpu"), batch) == 0.0
+
+
 @pytest.mark.parametrize("preset", ["tiny", "seed_trax", "seed_compact", "seed_gpt"])
 def test_block_activations_are_what_autograd_saves(preset):
     """Every tensor a block's forward saves for its backward (saved-tensor hooks, one count per
