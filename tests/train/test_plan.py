@@ -245,6 +245,20 @@ def test_plan_command_json_and_errors():
         assert needle in lines[0]
 
 
+def test_a_flag_is_named_as_the_override_it_means(capsys):
+    """`--world 8` (an argparse habit) is one line naming world=8, exit 2; in-process."""
+    from lmsys.plan import main
+
+    for argv, meant in (
+        (["--world", "8"], "world=8"),
+        (["--micro_batch_size=4"], "trainer.micro_batch_size=4"),
+    ):
+        assert main(argv) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("lmsys-plan: error: unknown option --"), lines
+        assert f"did you mean {meant}?" in lines[0]
+
+
 def test_a_launch_predicted_not_to_fit_is_refused_before_the_engine(prepared_data, tmp_path):
     """A pretend device one byte smaller than the predicted peak: refused before any process
     group, engine or run directory exists, with the changes that fit (any lower peak does)."""
