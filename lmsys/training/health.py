@@ -39,6 +39,7 @@ from lmsys.core.runtime import Setup
 from lmsys.data.loader import Batch, TokenLoader
 from lmsys.engine.checkpoint import newest_saved
 from lmsys.training.faults import Faults
+from lmsys.training.metrics import diagnosis
 from lmsys.training.nonfinite import Finding, module_grad_norms, replay, replica
 from lmsys.training.reporter import Reporter
 
@@ -134,14 +135,17 @@ class Health:
             return None
         kind, what = verdict
         setup, step, data_step, batches, loss = self.setup, seen.step, seen.data_step, seen.batches, seen.loss
-        model = replica(engine, self.cfg.model, self.cfg.deepspeed.stage)
-        self.faults.arm(model)  # an injected fault is part of the model: the replay meets it too
-        finding = replay(model, batches, seen.scales, setup.device, setup.rank)
         largest: list[dict[str, Any]] = []
-        if kind == "diverging":  # the gradient of a finite loss: which modules it pushes hardest
-            total, largest = module_grad_norms(model)
-            grad_norm = total if grad_norm is None else grad_norm
-        del model
+        # a replica of the whole model, its gradient and activations: not the training step's
+        # memory, so the measured peak leaves it out (metrics.diagnosis)
+        with diagnosis(setup.device):
+            model = replica(engine, self.cfg.model, self.cfg.deepspeed.stage)
+            self.faults.arm(model)  # an injected fault is part of the model: the replay meets it too
+            finding = replay(model, batches, seen.scales, setup.device, setup.rank)
+            if kind == "diverging":  # the gradient of a finite loss: which modules it pushes hardest
+                total, largest = module_grad_norms(model)
+                grad_norm = total if grad_norm is None else grad_norm
+            del model
         data = [loader.provenance(data_step, i) for i in range(len(batches))]
         gathered: list[Any] = [None] * setup.world_size
         dist.all_gather_object(gathered, (finding, data))

@@ -15,7 +15,8 @@ import math
 import os
 import resource
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,37 @@ AllocationEvent = tuple[int, int, int, Any]  # (time ns, address, +bytes or -byt
 UnseenFree = tuple[int, int, int | None]  # (address, allocated at, allocated again at or None)
 
 
+# lmsys's own diagnostics (a bad step replayed on a replica of the model: lmsys.training.health)
+# hold memory the training step does not: their span is kept out of the measured peak.
+DIAGNOSIS = "lmsys::diagnosis"
+_cuda_peak_before_diagnosis: dict[int, int] = {}  # device index -> the peak before the last one
+
+
+@contextmanager
+def diagnosis(device: torch.device) -> Iterator[None]:
+    """A span the measured peak leaves out. On CUDA the allocator's peak so far is kept and its
+    peak statistic reset after the span (cuda_peak_bytes adds them back); on CPU the span is a
+    profiler range TensorPeak skips. The process's peak RSS cannot leave it out."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        before = cuda_peak_bytes(device)
+        try:
+            with torch.profiler.record_function(DIAGNOSIS):
+                yield
+        finally:
+            _cuda_peak_before_diagnosis[index] = before
+            torch.cuda.reset_peak_memory_stats(device)
+        return
+    with torch.profiler.record_function(DIAGNOSIS):
+        yield
+
+
+def cuda_peak_bytes(device: torch.device) -> int:
+    """torch.cuda.max_memory_allocated outside lmsys's diagnoses (see diagnosis)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return max(_cuda_peak_before_diagnosis.get(index, 0), int(torch.cuda.max_memory_allocated(device)))
+
+
 class TensorPeak:
     """The peak of the CPU tensors allocated since start(): the CPU's equivalent of CUDA's
     max_memory_allocated, which RSS is not (glibc keeps memory torch has freed, by a policy that
@@ -102,8 +134,9 @@ class TensorPeak:
     address is allocated again (or, at the end, when no tensor holds it): it counts until then,
     which bounds the peak from above. It cannot have been freed before the last op that read it
     (the profiler records each op's inputs): freeing it there bounds the peak from below. The
-    result gives both. Costs about 1.5 s to start and the profiler's per-op overhead while it
-    runs, so lmsys-train uses it only with trainer.trace_memory=true."""
+    result gives both. No peak is taken inside a `diagnosis` span (lmsys's replay of a bad
+    step). Costs about 1.5 s to start and the profiler's per-op overhead while it runs, so
+    lmsys-train uses it only with trainer.trace_memory=true."""
 
     def __init__(self) -> None:
         from torch.profiler import ProfilerActivity, profile  # late: only traced runs load it
@@ -120,6 +153,7 @@ class TensorPeak:
         tree = self.profile.profiler.kineto_results.experimental_event_tree()  # type: ignore[union-attr]
         events: list[AllocationEvent] = []
         ops = []  # their inputs are read only if a free went unseen (a 1-rank run has none)
+        skipped: list[tuple[int, int]] = []  # lmsys's diagnoses (diagnosis): no peak is taken there
         pending = list(tree)
         while pending:
             node = pending.pop()
@@ -129,8 +163,10 @@ class TensorPeak:
                 events.append((node.start_time_ns, fields.ptr, fields.alloc_size, node))
             elif kind == _EventType.TorchOp:
                 ops.append((node.end_time_ns, fields.inputs))
+            if node.name == DIAGNOSIS:
+                skipped.append((node.start_time_ns, node.end_time_ns))
         events.sort(key=lambda event: event[0])
-        upper, upper_index, unseen = _running_peak(events)
+        upper, upper_index, unseen = _running_peak(events, skipped)
         during = _ops_above(events[upper_index][3] if events else None)
         holders = _holders(events[: upper_index + 1])
         if not unseen:
@@ -148,13 +184,17 @@ class TensorPeak:
             ends = [end for end in last_read.get(ptr, ()) if born <= end and (gone is None or end <= gone)]
             early_frees.append((max(ends, default=born), ptr, -1, None))
         # a free and an allocation at one instant: the free first
-        lower = _running_peak(sorted(events + early_frees, key=lambda event: (event[0], event[2] > 0)))[0]
+        in_order = sorted(events + early_frees, key=lambda event: (event[0], event[2] > 0))
+        lower = _running_peak(in_order, skipped)[0]
         return TracedPeak(upper, upper - lower, during, holders)
 
 
-def _running_peak(events: list[AllocationEvent]) -> tuple[int, int, list[UnseenFree]]:
+def _running_peak(
+    events: list[AllocationEvent], skipped: Sequence[tuple[int, int]] = ()
+) -> tuple[int, int, list[UnseenFree]]:
     """The peak of the live blocks over time-ordered allocation events, its index, and the blocks
-    whose free no event reported."""
+    whose free no event reported. Within the `skipped` spans (start, end) the blocks are counted
+    but no peak is taken."""
     live: dict[int, tuple[int, int]] = {}  # address -> (bytes, allocated at)
     unseen: list[UnseenFree] = []
     total = peak = peak_index = 0
@@ -167,7 +207,7 @@ def _running_peak(events: list[AllocationEvent]) -> tuple[int, int, list[UnseenF
         if size > 0:
             live[ptr] = (size, time)
             total += size
-        if total > peak:
+        if total > peak and not any(start <= time <= end for start, end in skipped):
             peak, peak_index = total, index
     unseen += [(ptr, born, None) for ptr, (_, born) in live.items()]
     return peak, peak_index, unseen
@@ -233,7 +273,7 @@ class TracedPeak:
 def memory_gb(device: torch.device) -> float:
     """Peak memory of this process so far: CUDA allocations on GPU, resident set size on CPU."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
+        return cuda_peak_bytes(device) / 1e9
     return peak_rss_bytes() / 1e9
 
 

@@ -43,7 +43,7 @@ from lmsys.core.runtime import BatchPlan, batch_plan
 from lmsys.engine.memory import StepMemory, step_memory
 from lmsys.model.shapes import model_shapes
 from lmsys.training.devices import GIB, GPUS, Device, cpu_device, cpu_flops
-from lmsys.training.metrics import TensorPeak, device_peak_flops, peak_rss_bytes
+from lmsys.training.metrics import TensorPeak, cuda_peak_bytes, device_peak_flops, peak_rss_bytes
 
 MIB = 1 << 20
 # The MFU a GPU run of a GPT-2-sized dense model reaches with flash attention and fused kernels:
@@ -553,7 +553,7 @@ def measured_peak_bytes(device: torch.device, baseline_rss: int, trace: TensorPe
     with the baseline), else the process's peak RSS (metrics.peak_rss_bytes) minus its RSS after
     the imports and the process group (taken before the model is built)."""
     if device.type == "cuda":
-        return Measured(int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated")
+        return Measured(cuda_peak_bytes(device), "cuda_max_allocated")
     if trace is not None:
         peak = trace.stop()
         return Measured(peak.bytes, "traced_tensors", peak.during, peak.unconfirmed_bytes, peak.holders)

@@ -18,7 +18,7 @@ from lmsys.model.shapes import model_shapes
 from lmsys.model.transformer import Block, Transformer
 from lmsys.training import planning
 from lmsys.training.devices import device_spec
-from lmsys.training.metrics import TensorPeak
+from lmsys.training.metrics import TensorPeak, diagnosis
 from lmsys.training.planning import plan_launch
 from tests.train.conftest import COMMON, REPO_ROOT, SEQ, child_env, run_train
 
@@ -335,6 +335,24 @@ def test_the_tensor_trace_counts_what_is_alive_from_its_start():
     largest = [(name.split(" > ")[0], round(size / mib)) for name, size in traced.holders.items()][:2]
     assert largest == [("aten::empty", 16), ("aten::ones", 8)], traced.holders
     del second, third
+
+
+def test_a_diagnosis_span_is_left_out_of_the_traced_peak():
+    """lmsys's replay of a bad step (metrics.diagnosis) holds a replica the step does not: inside
+    the span its blocks count but no peak is taken. 8 MiB kept; in the span 32 MiB made and
+    freed, 4 MiB made and kept; then 4 MiB more: the peak is 8 + 4 + 4 = 16 MiB, not 40."""
+    mib = 2**20
+    trace = TensorPeak()
+    kept = torch.empty(2 * mib)  # 8 MiB
+    with diagnosis(torch.device("cpu")):
+        replica = torch.empty(8 * mib)  # 32 MiB
+        survivor = torch.ones(mib)  # 4 MiB, still held after the span
+        del replica
+    later = torch.zeros(mib)  # 4 MiB
+    traced = trace.stop()
+    assert abs(traced.bytes - 16 * mib) < mib // 4, traced
+    assert "aten::zeros" in traced.during, traced.during
+    del kept, survivor, later
 
 
 THREAD_FREED = """
