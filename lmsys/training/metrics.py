@@ -97,13 +97,15 @@ UnseenFree = tuple[int, int, int | None]  # (address, allocated at, allocated ag
 # hold memory the training step does not: their span is kept out of the measured peak.
 DIAGNOSIS = "lmsys::diagnosis"
 _cuda_peak_before_diagnosis: dict[int, int] = {}  # device index -> the peak before the last one
+_diagnoses = [0]  # how many ran in this process (a peak RSS cannot leave them out)
 
 
 @contextmanager
 def diagnosis(device: torch.device) -> Iterator[None]:
     """A span the measured peak leaves out. On CUDA the allocator's peak so far is kept and its
     peak statistic reset after the span (cuda_peak_bytes adds them back); on CPU the span is a
-    profiler range TensorPeak skips. The process's peak RSS cannot leave it out."""
+    profiler range TensorPeak skips. The process's peak RSS cannot leave it out (diagnoses_run)."""
+    _diagnoses[0] += 1
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         before = cuda_peak_bytes(device)
@@ -116,6 +118,11 @@ def diagnosis(device: torch.device) -> Iterator[None]:
         return
     with torch.profiler.record_function(DIAGNOSIS):
         yield
+
+
+def diagnoses_run() -> int:
+    """How many diagnosis spans this process has entered."""
+    return _diagnoses[0]
 
 
 def cuda_peak_bytes(device: torch.device) -> int:

@@ -43,7 +43,13 @@ from lmsys.core.runtime import BatchPlan, batch_plan
 from lmsys.engine.memory import StepMemory, step_memory
 from lmsys.model.shapes import model_shapes
 from lmsys.training.devices import GIB, GPUS, Device, cpu_device, cpu_flops
-from lmsys.training.metrics import TensorPeak, cuda_peak_bytes, device_peak_flops, peak_rss_bytes
+from lmsys.training.metrics import (
+    TensorPeak,
+    cuda_peak_bytes,
+    device_peak_flops,
+    diagnoses_run,
+    peak_rss_bytes,
+)
 
 MIB = 1 << 20
 # The MFU a GPU run of a GPT-2-sized dense model reaches with flash attention and fused kernels:
@@ -557,7 +563,7 @@ def measured_peak_bytes(device: torch.device, baseline_rss: int, trace: TensorPe
     if trace is not None:
         peak = trace.stop()
         return Measured(peak.bytes, "traced_tensors", peak.during, peak.unconfirmed_bytes, peak.holders)
-    return Measured(peak_rss_bytes() - baseline_rss, "rss")
+    return Measured(peak_rss_bytes() - baseline_rss, "rss", includes_diagnosis=diagnoses_run() > 0)
 
 
 @dataclass(frozen=True)
@@ -567,6 +573,7 @@ class Measured:
     during: str = ""  # traced: the ops that made the peak, outermost first
     unconfirmed: int = 0  # traced: bytes of the peak whose free went unseen (TracedPeak)
     holders: dict[str, int] = field(default_factory=dict)  # traced: bytes at the peak by allocating ops
+    includes_diagnosis: bool = False  # rss: a bad step's replay ran before it (metrics.diagnosis)
 
     def predicted(self, plan: Plan) -> int:
         """The plan's figure for this measure: the tensors alone, or with the runtime for RSS."""
@@ -580,9 +587,19 @@ MEASURED_BY = {
 }
 
 
-def memory_line(predicted: int, measured: int, by: str = "cuda_max_allocated", unconfirmed: int = 0) -> str:
+def memory_line(
+    predicted: int,
+    measured: int,
+    by: str = "cuda_max_allocated",
+    unconfirmed: int = 0,
+    includes_diagnosis: bool = False,
+) -> str:
     diff = (measured - predicted) / predicted if predicted else 0.0
     line = f"memory: predicted {mib(predicted)}, measured {mib(measured)}{MEASURED_BY[by]} ({diff:+.0%})"
     if unconfirmed:  # a traced peak with frees a gloo thread made unseen (TracedPeak)
         line += f"; {mib(unconfirmed)} of it may be blocks a gloo thread had already freed"
+    if includes_diagnosis:
+        line += (
+            "; it includes a bad step's replay on a copy of the model, which the peak RSS cannot leave out"
+        )
     return line

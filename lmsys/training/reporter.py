@@ -131,13 +131,15 @@ class Reporter:
                 "predicted_peak_bytes": predicted,
                 "measured_by": measured.by,
             }
+            if measured.includes_diagnosis:
+                values["measured_includes_diagnosis"] = True
             if traced:
                 values["measured_peak_unconfirmed_bytes"] = unconfirmed
                 values["rank0_peak_during"] = measured.during
                 values["rank0_peak_holders"] = measured.holders
             self.logger.log("memory", step, values, to_wandb=False)
         if predicted is not None:
-            self.note(memory_line(predicted, peak, measured.by, unconfirmed))
+            self.note(memory_line(predicted, peak, measured.by, unconfirmed, measured.includes_diagnosis))
 
     def summary(self, values: dict[str, Any]) -> None:
         if self.logger is not None:

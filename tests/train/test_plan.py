@@ -18,8 +18,8 @@ from lmsys.model.shapes import model_shapes
 from lmsys.model.transformer import Block, Transformer
 from lmsys.training import planning
 from lmsys.training.devices import device_spec
-from lmsys.training.metrics import TensorPeak, diagnosis
-from lmsys.training.planning import plan_launch
+from lmsys.training.metrics import TensorPeak, diagnoses_run, diagnosis
+from lmsys.training.planning import measured_peak_bytes, memory_line, plan_launch
 from tests.train.conftest import COMMON, REPO_ROOT, SEQ, child_env, run_train
 
 SMALL = [o for o in COMMON if o.startswith("model.")] + [
@@ -342,7 +342,7 @@ def test_a_diagnosis_span_is_left_out_of_the_traced_peak():
     the span its blocks count but no peak is taken. 8 MiB kept; in the span 32 MiB made and
     freed, 4 MiB made and kept; then 4 MiB more: the peak is 8 + 4 + 4 = 16 MiB, not 40."""
     mib = 2**20
-    trace = TensorPeak()
+    trace, before = TensorPeak(), diagnoses_run()
     kept = torch.empty(2 * mib)  # 8 MiB
     with diagnosis(torch.device("cpu")):
         replica = torch.empty(8 * mib)  # 32 MiB
@@ -353,6 +353,14 @@ def test_a_diagnosis_span_is_left_out_of_the_traced_peak():
     assert abs(traced.bytes - 16 * mib) < mib // 4, traced
     assert "aten::zeros" in traced.during, traced.during
     del kept, survivor, later
+    # the peak RSS cannot leave it out: the measure and its line say so
+    assert diagnoses_run() == before + 1
+    rss = measured_peak_bytes(torch.device("cpu"), 0, None)
+    assert rss.by == "rss" and rss.includes_diagnosis
+    line = memory_line(100 * mib, rss.bytes, rss.by, 0, rss.includes_diagnosis)
+    assert line.endswith(
+        "it includes a bad step's replay on a copy of the model, which the peak RSS cannot leave out"
+    )
 
 
 THREAD_FREED = """
