@@ -106,18 +106,14 @@ def diagnosis(device: torch.device) -> Iterator[None]:
     peak statistic reset after the span (cuda_peak_bytes adds them back); on CPU the span is a
     profiler range TensorPeak skips. The process's peak RSS cannot leave it out (diagnoses_run)."""
     _diagnoses[0] += 1
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        before = cuda_peak_bytes(device)
-        try:
-            with torch.profiler.record_function(DIAGNOSIS):
-                yield
-        finally:
-            _cuda_peak_before_diagnosis[index] = before
+    before = cuda_peak_bytes(device) if device.type == "cuda" else None
+    try:
+        with torch.profiler.record_function(DIAGNOSIS):
+            yield
+    finally:
+        if before is not None:
+            _cuda_peak_before_diagnosis[_cuda_index(device)] = before
             torch.cuda.reset_peak_memory_stats(device)
-        return
-    with torch.profiler.record_function(DIAGNOSIS):
-        yield
 
 
 def diagnoses_run() -> int:
@@ -127,8 +123,12 @@ def diagnoses_run() -> int:
 
 def cuda_peak_bytes(device: torch.device) -> int:
     """torch.cuda.max_memory_allocated outside lmsys's diagnoses (see diagnosis)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return max(_cuda_peak_before_diagnosis.get(index, 0), int(torch.cuda.max_memory_allocated(device)))
+    held = _cuda_peak_before_diagnosis.get(_cuda_index(device), 0)
+    return max(held, int(torch.cuda.max_memory_allocated(device)))
+
+
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 class TensorPeak:
