@@ -26,7 +26,7 @@ import json
 import sys
 
 from lmsys.cli import flag_as_override, run_cli
-from lmsys.core.config import compose, config_to_dict, flatten_dict
+from lmsys.core.config import compose, config_keys
 from lmsys.core.errors import UsageError
 from lmsys.training.devices import device_spec
 from lmsys.training.planning import plan_launch, report_lines
@@ -62,8 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             print(__doc__)
             return 0
         if any(a.startswith("-") for a in argv):  # `--world 8`: name the key=value it means
-            keys = [*OWN_KEYS, *flatten_dict(config_to_dict(compose([])))]
-            flag_as_override(PROG, argv, keys, set())
+            flag_as_override(PROG, argv, [*OWN_KEYS, *config_keys()], set())
         own, overrides = split_arguments(argv)
         world = _int("world", own.get("world", "1"))
         if world < 1:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import sys
 
 from lmsys.cli import flag_as_override, run_cli
-from lmsys.core.config import compose, config_to_dict, flatten_dict
+from lmsys.core.config import compose, config_keys
 from lmsys.data.preparation import PROG, prepare
 
 
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             print(__doc__)
             return 0
         if any(a.startswith("-") for a in argv):  # `--vocab_size 512`: name the key=value it means
-            flag_as_override(PROG, argv, list(flatten_dict(config_to_dict(compose([])))), set())
+            flag_as_override(PROG, argv, config_keys(), set())
         prepare(compose(argv))
         return 0
 

@@ -23,7 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from lmsys.cli import flag_as_override, run_cli
-from lmsys.core.config import CONF_DIR, compose, config_to_dict, flatten_dict, to_config
+from lmsys.core.config import CONF_DIR, compose, config_keys, to_config
 from lmsys.core.console import one_line, report_error
 from lmsys.core.errors import EXIT_REQUEUE, LmsysError, Stopped
 from lmsys.sweep.multirun import (
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     def refuse_flag() -> int:  # Hydra would print its usage block, with no hint of the key
-        flag_as_override(PROG, argv, list(flatten_dict(config_to_dict(compose([])))), HYDRA_FLAGS)
+        flag_as_override(PROG, argv, config_keys(), HYDRA_FLAGS)
         return 0
 
     if any(arg in ("-h", "--help") for arg in argv):

@@ -621,6 +621,12 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
     return container
 
 
+def config_keys() -> list[str]:
+    """Every dotted key of the default config (model.d_model, trainer.max_steps, ...): what a
+    command's overrides may set."""
+    return list(flatten_dict(config_to_dict(compose([]))))
+
+
 def model_config_from_dict(data: dict[str, Any]) -> ModelConfig:
     """Rebuild a validated ModelConfig from its dict form (config.json of an export, a checkpoint)."""
     try:
