@@ -20,6 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tests.torchrun_exit import leave  # noqa: E402
+
 
 def main() -> None:
     out, data_dir, stages = Path(sys.argv[1]), sys.argv[2], [int(s) for s in sys.argv[3].split(",")]
@@ -89,8 +91,7 @@ def main() -> None:
             )
         dist.barrier()
         del engine
-    dist.barrier()
-    dist.destroy_process_group()
+    leave(rank)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tests.torchrun_exit import leave  # noqa: E402
+
 SMALL = ["vocab_size=256", "d_model=32", "n_layers=2", "n_heads=2", "max_seq_len=16", "ffn.d_ff=64"]
 
 
@@ -101,8 +103,7 @@ def main() -> None:
         "deepspeed": ds_save,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(report))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave(rank)
 
 
 if __name__ == "__main__":
