@@ -2,15 +2,16 @@
 tests/export/ds_checkpoints.py): after their files are written and the group is left, without the
 interpreter's shutdown.
 
-dist.destroy_process_group() shuts the backends down but does not end gloo's threads in these
-processes: DeepSpeed's engine stays referenced (by hooks registered in torch) and holds the
-process groups, so each group's pt_gloo_runloop and gloo_tcp_loop threads are still there when the
-interpreter shuts down (listed from /proc/self/task after destroy_process_group, engine deleted
-and gc run). A native thread that needs the GIL during that shutdown is ended by pthread_exit,
-and that unwind through C++ noexcept frames aborts the process ("terminate called without an
-active exception", SIGABRT); torch's destroy_process_group names the same hazard for completion
-hooks. CI hit such an abort once in zero3_save_probe.py (2026-11-28); 69 runs of the probe here,
-45 of them beside 2 more copies, did not, so the cause above is the likely one, not a proven one.
+dist.destroy_process_group() waits for the collectives in flight, but does not end gloo's threads
+in these processes: DeepSpeed's engine stays referenced (by hooks registered in torch) and holds
+the process groups, so each group's pt_gloo_runloop and gloo_tcp_loop threads are still there when
+the interpreter shuts down (listed from /proc/self/task after destroy_process_group, engine deleted
+and gc run). A gloo thread that needs the GIL during that shutdown aborts the process (SIGABRT):
+shown here with a Python callback on an all_reduce's future still running at shutdown; a worker
+letting go of its last collective's tensors just after the collective completes is the likely
+case, with the message "terminate called without an active exception". CI hit that abort once in
+zero3_save_probe.py (2026-11-28); 69 runs of the probe here, 45 of them beside 2 more copies, did
+not, so the cause is likely, not proven.
 The scripts' results are their files, so skipping the shutdown loses nothing.
 """
 
