@@ -257,6 +257,9 @@ class TrainerConfig:
     debug_hang_step: int = 0  # the last rank hangs at the start of this step ...
     debug_hang_how: str = "sleep"  # ... asleep, or frozen with SIGSTOP ("stop")
     debug_break_kernel: str = ""  # the kernel self-check sees this kernel's output perturbed
+    # "WHERE:rankR:stepS", WHERE copy | replay: the diagnosis of bad step S runs out of memory on
+    # rank R, allocating its copy of the model or in its replay (lmsys/training/faults.py)
+    debug_replay_oom: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -321,6 +324,7 @@ def tokens_per_sample(cfg: ModelConfig, seq_len: int) -> int:
 
 NONFINITE_POLICIES = ("skip", "stop", "rewind")  # trainer.on_nonfinite
 NONFINITE_INJECTION = re.compile(r"[\w.]+:(forward|backward|weights):rank\d+:step\d+(:micro\d+)?")
+REPLAY_OOM_INJECTION = re.compile(r"(copy|replay):rank\d+:step\d+")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -330,6 +334,11 @@ def _require(ok: bool, message: str) -> None:
 
 def _one_of(key: str, value: Any, valid: tuple[str, ...]) -> None:
     _require(value in valid, f"{key}={value!r} is not valid; choose one of: {', '.join(valid)}")
+
+
+def _specs(key: str, specs: list[str], pattern: re.Pattern[str], form: str) -> None:
+    for spec in specs:
+        _require(pattern.fullmatch(str(spec)) is not None, f"{key}: {spec!r} is not {form}")
 
 
 def validate_model(cfg: ModelConfig, prefix: str = "model") -> None:
@@ -448,12 +457,11 @@ def validate(cfg: Config) -> Config:
         f"trainer.spike_factor={t.spike_factor} must be > 1 (0: off)",
     )
     _require(t.spike_margin >= 0, f"trainer.spike_margin={t.spike_margin} must be >= 0 (0: off)")
-    for spec in t.debug_nonfinite_at:
-        _require(
-            NONFINITE_INJECTION.fullmatch(str(spec)) is not None,
-            f"trainer.debug_nonfinite_at: {spec!r} is not MODULE:PASS:rankR:stepS[:microM] "
-            "with PASS forward, backward or weights (e.g. blocks.1.attn:backward:rank1:step4)",
-        )
+    _specs("trainer.debug_nonfinite_at", t.debug_nonfinite_at, NONFINITE_INJECTION,
+           "MODULE:PASS:rankR:stepS[:microM] with PASS forward, backward or weights "
+           "(e.g. blocks.1.attn:backward:rank1:step4)")  # fmt: skip
+    _specs("trainer.debug_replay_oom", t.debug_replay_oom, REPLAY_OOM_INJECTION,
+           "WHERE:rankR:stepS with WHERE copy or replay (e.g. copy:rank1:step3)")  # fmt: skip
     _require(t.dist_timeout_s > 0, f"trainer.dist_timeout_s={t.dist_timeout_s} must be > 0")
     _require(
         t.hang_timeout_s == 0 or 0 < t.hang_timeout_s < t.dist_timeout_s,

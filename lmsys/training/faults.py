@@ -16,6 +16,11 @@ defaults, which inject nothing.
                                          only: asleep (trainer.debug_hang_how=sleep) or frozen with
                                          SIGSTOP (=stop), for the hang watchdog (training/watchdog.py)
     trainer.debug_break_kernel=attention the kernel self-check sees that kernel's output perturbed
+    trainer.debug_replay_oom=["copy:rank1:step3"]
+                                         the replay that diagnoses bad step 3 runs out of memory on
+                                         rank 1: allocating its copy of the model (copy) or in its
+                                         first forward (replay), an allocation of 2**61 bytes that
+                                         every allocator refuses
 
 The trainer calls the hooks at fixed points of a step: `before_step`, `poison_loss` on each
 micro-batch's loss, `after_step`; the checkpoint save reads `save_pause_s`. A non-finite
@@ -128,6 +133,7 @@ class Faults:
     last_rank: bool = False  # crashes and signals reach the last rank only
     first_attempt: bool = True  # crashes happen on a job's first attempt only (torchrun restarts)
     nonfinite: tuple[NonfiniteInjection, ...] = ()  # this rank's (trainer.debug_nonfinite_at)
+    replay_oom: frozenset[tuple[str, int]] = frozenset()  # this rank's (where, step): debug_replay_oom
 
     @classmethod
     def of(cls, t: TrainerConfig, rank: int, world_size: int, restarts: int) -> Faults:
@@ -144,12 +150,27 @@ class Faults:
             last_rank=rank == world_size - 1,
             first_attempt=restarts == 0,
             nonfinite=tuple(i for i in map(NonfiniteInjection.parse, t.debug_nonfinite_at) if i.rank == rank),
+            replay_oom=frozenset(
+                (where, int(step.removeprefix("step")))
+                for where, r, step in (spec.split(":") for spec in t.debug_replay_oom)  # lmsys.core.config
+                if int(r.removeprefix("rank")) == rank
+            ),
         )
 
-    def arm(self, model: nn.Module) -> None:
-        """Hook this rank's non-finite injections into `model` (a Transformer)."""
+    def arm(self, model: nn.Module, replay_step: int | None = None) -> None:
+        """Hook this rank's non-finite injections into `model` (a Transformer); into the copy that
+        replays step `replay_step`, its out-of-memory injection too."""
         for injection in self.nonfinite:
             injection.arm(model)
+        if replay_step is not None and ("replay", replay_step) in self.replay_oom:
+            first = next(module for name, module in model.named_modules() if name)  # the embedding
+            device = next(model.parameters()).device
+            first.register_forward_pre_hook(lambda _module, _args: refuse_allocation(device))
+
+    def replay_allocated(self, step: int, device: torch.device) -> None:
+        """Called once the replay of `step` has allocated its copy of the model (copy:...)."""
+        if ("copy", step) in self.replay_oom:
+            refuse_allocation(device)
 
     def before_step(self, step: int, before_hang: Callable[[], None] | None = None) -> None:
         """A preemption that reaches one rank: the last rank signals itself during `step`; or the
@@ -193,3 +214,8 @@ class Faults:
                 flush=True,
             )
             os._exit(13)
+
+
+def refuse_allocation(device: torch.device) -> None:
+    """A real allocation the allocator refuses (2**61 bytes): its own out-of-memory error."""
+    torch.empty(2**61, dtype=torch.uint8, device=device)

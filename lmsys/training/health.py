@@ -27,9 +27,11 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from lmsys.core.config import Config
@@ -40,7 +42,16 @@ from lmsys.data.loader import Batch, TokenLoader
 from lmsys.engine.checkpoint import newest_saved
 from lmsys.training.faults import Faults
 from lmsys.training.metrics import diagnosis
-from lmsys.training.nonfinite import Finding, module_grad_norms, replay, replica
+from lmsys.training.nonfinite import (
+    Finding,
+    ReplayDidNotFit,
+    first_line,
+    module_grad_norms,
+    out_of_memory,
+    ranks_where,
+    replay,
+    replica,
+)
 from lmsys.training.reporter import Reporter
 
 DIAGNOSTICS = "diagnostics"
@@ -135,21 +146,16 @@ class Health:
             return None
         kind, what = verdict
         setup, step, data_step, batches, loss = self.setup, seen.step, seen.data_step, seen.batches, seen.loss
-        largest: list[dict[str, Any]] = []
         # a replica of the whole model, its gradient and activations: not the training step's
         # memory, so the measured peak leaves it out (metrics.diagnosis)
         with diagnosis(setup.device):
-            model = replica(engine, self.cfg.model, self.cfg.deepspeed.stage)
-            self.faults.arm(model)  # an injected fault is part of the model: the replay meets it too
-            finding = replay(model, batches, seen.scales, setup.device, setup.rank)
-            if kind == "diverging":  # the gradient of a finite loss: which modules it pushes hardest
-                total, largest = module_grad_norms(model)
-                grad_norm = total if grad_norm is None else grad_norm
-            del model
+            finding, largest, total, short_of_memory = self._replay(engine, seen, kind)
+        grad_norm = total if grad_norm is None else grad_norm
         data = [loader.provenance(data_step, i) for i in range(len(batches))]
         gathered: list[Any] = [None] * setup.world_size
-        dist.all_gather_object(gathered, (finding, data))
-        findings: list[Finding] = [f for f, _ in gathered if f is not None]
+        dist.all_gather_object(gathered, (finding, data, short_of_memory))
+        findings: list[Finding] = [f for f, _, _ in gathered if f is not None]
+        did_not_fit = [{"rank": r, **short} for r, (_, _, short) in enumerate(gathered) if short]
         name = "nonfinite" if kind == "non-finite" else "divergence"
         path = self.run_dir / DIAGNOSTICS / f"{name}-step-{step}.json"
         first = min(findings, key=lambda f: (f.micro_batch, f.rank)) if findings else None
@@ -166,10 +172,11 @@ class Health:
             "tensor": first.tensor if first else None,
             "findings": [f.as_dict() for f in findings],
             "largest_gradients": largest,
+            "replay_did_not_fit": did_not_fit,
             "data_step": data_step,
             "data": [
                 {"rank": r, "micro_batch": i, "sequences": seqs}
-                for r, (_, per_micro) in enumerate(gathered)
+                for r, (_, per_micro, _) in enumerate(gathered)
                 for i, seqs in enumerate(per_micro)
                 if first is None or (r, i) in {(f.rank, f.micro_batch) for f in findings}
             ],
@@ -178,11 +185,45 @@ class Health:
         if setup.rank == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(path, json.dumps(report, indent=1) + "\n")
-            self.report.note(f"step {step}: {what}; {self._where(first, largest)}; report: {path}")
+            where = self._where(first, largest, [d["rank"] for d in did_not_fit if d["out_of_memory"]])
+            self.report.note(f"step {step}: {what}; {where}; report: {path}")
         return Event(step, kind, what, path, data_step)
 
+    def _replay(
+        self, engine: Any, seen: StepData, kind: str
+    ) -> tuple[Finding | None, list[dict[str, Any]], float | None, dict[str, Any] | None]:
+        """This rank's replay of the step: (where a non-finite value first appeared, the largest
+        gradients and the gradient norm of a divergence, None), or, when it runs short of memory,
+        (None, [], None, {"out_of_memory": this rank's own, "error": what did not fit}). A
+        diagnosis must not end the run it diagnoses."""
+        setup, model, finding, short_of_memory = self.setup, None, None, None
+        try:
+            allocated = partial(self.faults.replay_allocated, seen.step)
+            model = replica(engine, self.cfg.model, self.cfg.deepspeed.stage, allocated)
+            self.faults.arm(model, replay_step=seen.step)  # an injected fault is part of the model
+            finding = replay(model, seen.batches, seen.scales, setup.device, setup.rank)
+        except RuntimeError as exc:  # ReplayDidNotFit is one
+            if not (isinstance(exc, ReplayDidNotFit) or out_of_memory(exc)):
+                raise
+            elsewhere = isinstance(exc, ReplayDidNotFit) and exc.elsewhere
+            built = "" if isinstance(exc, ReplayDidNotFit) else "the replay: "
+            short_of_memory = {"out_of_memory": not elsewhere, "error": built + first_line(exc)}
+        largest: list[dict[str, Any]] = []
+        total = None
+        # the gradient norms are a collective: skipped by every rank when one has no gradient
+        if kind == "diverging" and not ranks_where(short_of_memory is not None, setup.device):
+            total, largest = module_grad_norms(model)
+        del model
+        if setup.device.type == "cuda":
+            torch.cuda.empty_cache()  # what an out-of-memory replay left cached goes back to training
+        return finding, largest, total, short_of_memory
+
     @staticmethod
-    def _where(first: Finding | None, largest: list[dict[str, Any]]) -> str:
+    def _where(first: Finding | None, largest: list[dict[str, Any]], did_not_fit: list[int]) -> str:
+        if did_not_fit:
+            ranks = ", ".join(map(str, did_not_fit))
+            short = f"its replay ran out of memory on rank(s) {ranks} (report: replay_did_not_fit)"
+            return short if first is None else f"{Health._where(first, [], [])}; {short}"
         if largest:
             return "largest gradients in " + ", ".join(
                 f"{g['module']} ({g['grad_norm']:.3g})" for g in largest[:3]

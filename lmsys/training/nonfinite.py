@@ -20,6 +20,12 @@ module watches each micro-batch, in order:
 loss weighted by its share of the step's loss weights, as the trainer does): summed over the
 ranks (`module_grad_norms`) it is the step's gradient, whose largest modules a divergence report
 names.
+
+A replay needs memory the training step did not: the whole copy, its gradients, and one
+micro-batch's activations without checkpointing. When an allocation is refused, the rank's replay
+stops with `ReplayDidNotFit` and the report says so; the run goes on under its policy
+(lmsys.training.health). Where a collective follows (the ZeRO-3 gather, the gradient norms of a
+divergence), every rank first learns which ranks ran short (`ranks_where`), so none waits alone.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -36,10 +43,35 @@ import torch.distributed as dist
 from torch import nn
 
 from lmsys.core.config import ModelConfig
+from lmsys.core.errors import TrainingError
 from lmsys.data.loader import Batch
 from lmsys.model.transformer import Transformer
 
 COMPILED_PREFIX = "_orig_mod."  # torch.compile's wrapper in parameter names
+
+
+class ReplayDidNotFit(TrainingError):
+    """A bad step's replay ran out of memory: on this rank (the allocator's message), or, at
+    ZeRO-3, on another rank before the gather that every rank joins (`elsewhere`)."""
+
+    def __init__(self, message: str, elsewhere: bool = False) -> None:
+        super().__init__(message)
+        self.elsewhere = elsewhere
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """A refused allocation: torch.OutOfMemoryError (CUDA's) or the CPU allocator's RuntimeError."""
+    return isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)
+
+
+def ranks_where(flag: bool, device: torch.device) -> list[int]:
+    """The ranks whose `flag` is true (a collective every rank joins; [] or [0] on one process)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [0] if flag else []
+    flags = torch.zeros(dist.get_world_size(), device=device)  # (world,)
+    flags[dist.get_rank()] = float(flag)
+    dist.all_reduce(flags)
+    return [rank for rank, value in enumerate(flags.tolist()) if value]
 
 
 @dataclass(frozen=True)
@@ -107,21 +139,38 @@ class _Watch:
             handle.remove()
 
 
-def replica(engine: Any, model_cfg: ModelConfig, stage: int) -> Transformer:
+def replica(
+    engine: Any, model_cfg: ModelConfig, stage: int, allocated: Callable[[torch.device], None] | None = None
+) -> Transformer:
     """A plain Transformer holding the engine's current weights (the whole of them at ZeRO-3,
-    gathered for the copy: a collective every rank joins), on the engine's device and dtype."""
+    gathered for the copy: a collective every rank joins), on the engine's device and dtype.
+    Raises ReplayDidNotFit when the copy cannot be allocated: at ZeRO-3 on every rank alike, the
+    gather skipped. allocated: fault injection, called once the copy is allocated."""
     source = engine.module.model
     named = {n.replace(COMPILED_PREFIX, ""): p for n, p in source.named_parameters()}
     buffers = {n.replace(COMPILED_PREFIX, ""): b for n, b in source.named_buffers()}
+    first = next(iter(named.values()))
+    copy, refused = None, None
+    try:
+        copy = Transformer(model_cfg).to(device=first.device, dtype=first.dtype)
+        if allocated is not None:
+            allocated(first.device)
+    except RuntimeError as exc:
+        if not out_of_memory(exc):
+            raise
+        copy, refused = None, first_line(exc)
     gather: Any = contextlib.nullcontext()
     if stage == 3:
+        short = ranks_where(refused is not None, first.device)
+        if short and refused is None:
+            ranks = ", ".join(map(str, short))
+            raise ReplayDidNotFit(f"skipped: rank(s) {ranks} could not allocate the copy", elsewhere=True)
         import deepspeed  # late: DeepSpeed's import costs seconds (lmsys.engine.zero)
 
         gather = deepspeed.zero.GatheredParameters(list(named.values()), modifier_rank=None)
-    first = next(iter(named.values()))
-    copy = Transformer(model_cfg).to(device=first.device)
+    if copy is None:
+        raise ReplayDidNotFit(f"the copy of the model: {refused}")
     with torch.no_grad(), gather:
-        copy.to(dtype=first.dtype)
         for name, p in copy.named_parameters():
             p.copy_(named[name].detach())
         for name, b in copy.named_buffers():
@@ -129,6 +178,11 @@ def replica(engine: Any, model_cfg: ModelConfig, stage: int) -> Transformer:
                 b.copy_(buffers[name].detach())
     copy.train()
     return copy
+
+
+def first_line(exc: BaseException) -> str:
+    """An error's first line (CUDA's out-of-memory message runs to several)."""
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def _weight_gradient(model: nn.Module) -> tuple[str, str] | None:

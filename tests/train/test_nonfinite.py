@@ -7,9 +7,12 @@
   trainer.on_nonfinite=stop the run exits 1;
 - trainer.on_nonfinite=rewind goes back to the last checkpoint, skips the step's data and
   finishes; a resume from a checkpoint older than the rewind skips the same data (its losses are
-  the rewound run's, bitwise).
+  the rewound run's, bitwise);
+- a replay that runs out of memory (a real allocation refused: trainer.debug_replay_oom) is
+  reported, the run goes on; at ZeRO-3 a rank that cannot allocate its copy leaves no rank waiting
+  in the gather.
 
-The three first runs start together (their start-up overlaps), the resume after the rewind.
+The four first runs start together (their start-up overlaps), the resume after the rewind.
 """
 
 from __future__ import annotations
@@ -53,6 +56,11 @@ def bad_runs(runs, tmp_path_factory) -> dict[str, Run]:
         "rewound": _launch(runs, root, "rewound", 2, [
             *TWO_RANKS, "trainer.on_nonfinite=rewind",
             "trainer.debug_nonfinite_at=[blocks.1.ffn:forward:rank0:step4]",
+        ]),
+        "short_of_memory": _launch(runs, root, "short_of_memory", 2, [
+            "deepspeed=zero3", "trainer.micro_batch_size=2", "trainer.max_steps=5",
+            "trainer.debug_nonfinite_at=[blocks.1.attn:backward:rank0:step2,blocks.0.ffn:forward:rank1:step4]",
+            "trainer.debug_replay_oom=[copy:rank1:step2,replay:rank0:step4]",
         ]),
     }  # fmt: skip
     done = {}
@@ -151,3 +159,36 @@ def test_rewind_skips_the_bad_data_and_a_resume_skips_it_too(bad_runs, runs):
     resumed = run_train("resumed", 2, [*overrides, resume], run.run_dir).check()
     assert "never training on the data of 1 step(s) a rewind skipped" in resumed.stdout
     assert {s: loss for s, loss in resumed.losses().items() if s > 2} == rewound
+
+
+def test_a_replay_that_runs_out_of_memory_is_reported_and_the_run_goes_on(bad_runs):
+    """ZeRO-3, 2 ranks. Step 2: rank 1 cannot allocate its copy of the model, so neither rank
+    joins the gather (rank 0 would wait there forever); step 4: rank 0's replay runs out of memory
+    in its forward while rank 1's finds the injected NaN. Both steps are skipped and the run ends."""
+    run = bad_runs["short_of_memory"].check()
+    refused = "DefaultCPUAllocator: can't allocate memory"
+    copy = report(run, "nonfinite-step-2.json")
+    assert copy["findings"] == [] and copy["module"] is None
+    (skipped, short) = copy["replay_did_not_fit"]
+    assert skipped == {
+        "rank": 0,
+        "out_of_memory": False,
+        "error": "skipped: rank(s) 1 could not allocate the copy",
+    }
+    assert (short["rank"], short["out_of_memory"]) == (1, True) and short["error"].startswith(
+        "the copy of the model: "
+    )
+    assert refused in short["error"], short
+    line = (
+        "lmsys-train: step 2: gradient is non-finite; its replay ran out of memory on rank(s) 1 "
+        f"(report: replay_did_not_fit); report: {run.run_dir}/diagnostics/nonfinite-step-2.json"
+    )
+    assert line in run.stdout.splitlines(), run.stdout
+    forward = report(run, "nonfinite-step-4.json")
+    assert (forward["rank"], forward["module"], forward["pass"]) == (1, "blocks.0.ffn", "forward")
+    (short,) = forward["replay_did_not_fit"]
+    assert (short["rank"], short["out_of_memory"]) == (0, True), short
+    assert short["error"].startswith("the replay: ") and refused in short["error"], short
+    assert "its replay ran out of memory on rank(s) 0 (report: replay_did_not_fit)" in run.stdout
+    assert "skipped the update (2 of trainer.max_nan_skips=5)" in run.stderr
+    assert [r["step"] for r in run.records("train")] == [1, 2, 3, 4, 5]
