@@ -12,12 +12,12 @@ which torch.compile traces without a graph break. Importing a kernel module regi
 Their torch definitions are in kernels.reference (torch only: importing it never imports triton),
 which also holds the chunked torch path of the loss, `chunked_linear_cross_entropy`.
 
-The tools are packages of their own that no module above imports: `python -m kernels.bench`
-(benchmarks, kernels/bench/) and `python -m kernels.inspect` (compilation for sm_80 / sm_90
-without a GPU, kernels/inspect/).
+How the kernels run (the interpreter, the launching GPU, launch records and the tiling rule) is
+kernels.runtime, which imports no triton either. The tools that benchmark and inspect the kernels
+are in the top-level `tools/` package (`python -m tools.bench`, `python -m tools.inspect`).
 
 Importing this package imports nothing: triton is imported with the first kernel module, so that
-a program can still choose how Triton runs (its CPU interpreter, TRITON_INTERPRET=1) until then.
+a program can still choose how Triton runs (its CPU interpreter: kernels.runtime) until then.
 `from kernels import flash_attention` still gives the function when it is the first thing a
 program takes from the package; the function names shadow their modules' otherwise, so import
 from the modules (`from kernels.flash_attention import flash_attention`) in code that may run

@@ -16,33 +16,31 @@ which checks the inputs and calls the op: the one path for callers and tests ali
 tested against.
 
 The launchers first build `KernelLaunch` records (`forward_launch`, `backward_launches`), then
-run them; `python -m kernels.inspect` compiles the same records for sm_80 / sm_90 without a GPU.
+run them; `python -m tools.inspect` compiles the same records for sm_80 / sm_90 without a GPU.
 
 On a GPU every kernel is wrapped in `triton.autotune` (keyed on the shapes that change the best
-tiling). Its pruner keeps the configs that compile without spilling and launch on the device,
-as measured per target and Triton version in `kernels/targets/sm_XX.json` (`prune_configs`).
-On sm_90 the operands a kernel streams (K and V for the forward and dQ, Q and dO for dK/dV) are
-read through TMA tensor descriptors when their layout allows (16-byte aligned base and strides,
-unit last stride); elsewhere, and on sm_80, through pointers (cp.async). Under the Triton CPU
+tiling). It times the candidates listed below for the head width and GPU generation (those
+`python -m tools.inspect` compiled without spilling on sm_80 and sm_90) that fit the device's
+shared memory (`prune_configs`, through `kernels.runtime.prune_configs`). On sm_90 the operands a
+kernel streams (K and V for the forward and dQ, Q and dO for dK/dV) are read through TMA tensor
+descriptors when their layout allows (16-byte aligned base and strides, unit last stride);
+elsewhere, and on sm_80, through pointers (cp.async). Under the Triton CPU
 interpreter (TRITON_INTERPRET=1) tuning would run every config through a Python emulator, so
-one small fixed tiling (`INTERPRETER_BLOCKS`) is used instead; the kernel code is the same on
+one small fixed tiling (`INTERPRETER_TILES`) is used instead; the kernel code is the same on
 both, and the interpreter also runs the descriptor path (tests/kernels/test_attention_paths.py).
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
-import os
 from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels import resource_tables
-from kernels.launch import KernelLaunch
+from kernels import runtime
 from kernels.reference import attention_reference  # noqa: F401  (imported from here by the tests)
 
 try:  # host-side TMA descriptors, triton >= 3.3
@@ -54,21 +52,9 @@ MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 LOG2E = 1.4426950408889634  # log2(e): the kernels work with exp2, which maps to one hardware instruction
 
-
-def _interpreting() -> bool:
-    """True when `@triton.jit` builds interpreted (CPU, numpy) kernels; decided once, at import."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:  # triton >= 3.3 parses the variable itself (also accepts "true"/"on")
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-# The jitted kernels below are interpreted or compiled depending on this, fixed at decoration time.
-_INTERPRET = _interpreting()
-
 # Fixed tiling used under the interpreter, whose cost grows with the number of loop steps. Tests
 # swap in 16-row and unequal blocks to exercise the multi-block loop bounds on short sequences.
-INTERPRETER_BLOCKS: dict[str, dict[str, int]] = {
+INTERPRETER_TILES: dict[str, dict[str, int]] = {
     "fwd": {"BLOCK_M": 32, "BLOCK_N": 32},
     "preprocess": {"BLOCK_M": 32},
     "dkdv": {"BLOCK_M": 32, "BLOCK_N": 32},
@@ -722,7 +708,7 @@ def _attn_bwd_dq_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
-# Tiling candidates and their pruning (GPU only).
+# Tiling: the candidates and their pruning (GPU only).
 # ----------------------------------------------------------------------------------------------
 
 # The tiling that wins depends on the head widths, the mask, the dtype (added to the key by Triton
@@ -730,11 +716,13 @@ def _attn_bwd_dq_kernel(
 # not matter, so T enters the key as a power-of-two bucket and a new length does not re-tune.
 _TUNE_KEY = ["T_BUCKET", "D_QK", "D_VO", "CAUSAL"]
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages). Every config compiles without spilling at the head
-# widths up to 64 on sm_80 and sm_90 (kernels/targets/*.json); wider heads rely on the pruner.
-# A 128-row tile takes 8 warps: with 4, the (128, d) fp32 accumulator alone is d registers per
-# thread and the scores tile comes on top (128 x 64, 4 warps spilled 1.2 KB at d = 128 on sm_90).
-_FWD_CONFIGS = [
+Tile = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+
+# Every candidate, in order of preference (under deterministic algorithms the first that fits is
+# the one launched). All of them compile without spilling and launch on sm_80 and sm_90 at head
+# widths up to 64 (`python -m tools.inspect`). A 128-row tile takes 8 warps: with 4, the (128, d)
+# fp32 accumulator alone is d registers per thread and the scores tile comes on top.
+_FWD_CONFIGS: list[Tile] = [
     (128, 64, 8, 4),
     (128, 64, 8, 3),
     (128, 128, 8, 2),
@@ -746,7 +734,7 @@ _FWD_CONFIGS = [
 ]
 # dK/dV: a program owns BLOCK_N keys and streams BLOCK_M queries, so the key block is the big one;
 # its two (BLOCK_N, d) fp32 accumulators want 8 warps at BLOCK_N = 128 (and at d = 256).
-_DKDV_CONFIGS = [
+_DKDV_CONFIGS: list[Tile] = [
     (32, 128, 8, 2),
     (64, 128, 8, 2),
     (32, 128, 8, 3),
@@ -756,7 +744,7 @@ _DKDV_CONFIGS = [
     (32, 32, 8, 2),
 ]
 # dQ: a program owns BLOCK_M queries and streams BLOCK_N keys.
-_DQ_CONFIGS = [
+_DQ_CONFIGS: list[Tile] = [
     (128, 32, 8, 2),
     (128, 64, 8, 2),
     (64, 32, 4, 3),
@@ -765,148 +753,107 @@ _DQ_CONFIGS = [
     (32, 32, 4, 2),
 ]
 CONFIGS = {"fwd": _FWD_CONFIGS, "dkdv": _DKDV_CONFIGS, "dq": _DQ_CONFIGS}
-# Report and resource-table names of the tuned kernels.
+
+# Wider heads keep fewer: the candidates that compile without spilling and launch at every head
+# width of the class, by the padded head width (the wider of BLOCK_DQK and BLOCK_DVO) and GPU
+# generation (80: up to sm_89, mma.sync; 90: sm_90 and later, wgmma and TMA), for bf16 and fp16,
+# both masks and both load paths: `python -m tools.inspect --candidates` (Triton 3.9). sm_80's
+# mma.sync code spills at head widths where sm_90's wgmma code does not.
+_WIDE_HEADS: dict[str, dict[int, dict[int, list[Tile]]]] = {
+    "fwd": {
+        128: {
+            80: [(64, 64, 4, 2), (64, 32, 4, 4)],
+            90: [(128, 64, 8, 4), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2), (64, 32, 4, 4),
+                 (64, 128, 4, 2), (32, 32, 4, 2)],
+        },
+        256: {80: [(32, 32, 4, 2)], 90: [(64, 32, 4, 4), (32, 32, 4, 2)]},
+    },
+    "dkdv": {
+        128: {
+            80: [(16, 64, 4, 3), (32, 32, 4, 2), (32, 32, 8, 2)],
+            90: [(32, 128, 8, 2), (32, 128, 8, 3), (32, 64, 4, 3), (16, 64, 4, 3), (32, 32, 4, 2),
+                 (32, 32, 8, 2)],
+        },
+        256: {80: [(32, 32, 8, 2)], 90: [(32, 32, 8, 2)]},
+    },
+    "dq": {
+        128: {
+            80: [(128, 32, 8, 2), (64, 32, 4, 3), (64, 64, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2)],
+            90: _DQ_CONFIGS,
+        },
+        256: {
+            80: [(64, 32, 4, 3), (32, 64, 4, 2), (32, 32, 4, 2)],
+            90: [(128, 32, 8, 2), (64, 32, 4, 3), (32, 32, 4, 2)],
+        },
+    },
+}  # fmt: skip
+GENERATIONS = (80, 90)  # the targets the lists were inspected on
+
+# Report names of the tuned kernels.
 KERNEL_NAMES = {"fwd": "attn_fwd", "dkdv": "attn_bwd_dkdv", "dq": "attn_bwd_dq"}
-DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 # TMA (tensor-memory-accelerator) bulk copies exist from sm_90 (Hopper) on.
 TMA_MIN_CAPABILITY = 90
 
 
-@functools.cache
-def _max_shared_memory(device_index: int) -> int:
-    """Bytes of shared memory one program may use on this GPU (227 KiB on H100, 163 KiB on A100)."""
-    try:
-        return int(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
-    except Exception:  # an unfamiliar driver: assume a consumer-GPU budget rather than fail
-        return 99 * 1024
-
-
-@functools.cache
-def _capability(device_index: int) -> int | None:
-    """Compute capability of a CUDA device as one int (90 for 9.0); None when it cannot be read."""
-    try:
-        major, minor = torch.cuda.get_device_capability(device_index)
-    except Exception:  # no CUDA (e.g. a CPU-only build asked about a fake device)
-        return None
-    return 10 * major + minor
+def listed_configs(kind: str, head_width: int, capability: int) -> list[Tile]:
+    """The candidates listed for a padded head width on a GPU of `capability`."""
+    by_generation = _WIDE_HEADS[kind].get(head_width)
+    if by_generation is None:  # up to 64
+        return CONFIGS[kind]
+    generation = max((g for g in GENERATIONS if g <= capability), default=GENERATIONS[0])
+    return by_generation[generation]
 
 
 def _launch_capability(device: torch.device) -> int | None:
-    """The capability the kernels are compiled for: None on the CPU interpreter."""
-    if device.type != "cuda" or _INTERPRET:
-        return None
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+    """The capability the kernels are compiled for: None under the interpreter."""
+    limits = None if runtime.interpreting() else runtime.device_limits(device)
+    return limits.capability if limits is not None else None
 
 
-def _estimate(kind: str, block_m: int, block_n: int, num_warps: int, num_stages: int, meta: dict, elem: int):
-    """(shared bytes, fp32 tile values per thread) a config needs, estimated from its tiles.
-
-    Shared memory: the tiles resident for the whole program, `num_stages` copies of the streamed
-    tiles and one (BLOCK_M, BLOCK_N) tile for P / dS. Registers: the fp32 accumulators plus the
-    (BLOCK_M, BLOCK_N) score tile(s) live across the loop body, per thread."""
+def _shared_bytes(kind: str, block_m: int, block_n: int, num_stages: int, meta: dict, elem: int) -> int:
+    """Shared memory a config needs, estimated from its tiles: those resident for the whole
+    program, `num_stages` copies of the streamed ones and one (BLOCK_M, BLOCK_N) tile for P / dS.
+    An upper bound of what the compiler allocates (tests/tools/test_inspect.py checks it)."""
     dqk, dvo = meta["BLOCK_DQK"], meta["BLOCK_DVO"]
-    scores = block_m * block_n
-    if kind == "fwd":  # Q resident; K, V streamed; acc (BM, dvo); S/P
-        resident, streamed, acc, tiles = block_m * dqk, block_n * (dqk + dvo), block_m * dvo, 1
-    elif kind == "dkdv":  # K, V resident; Q, dO streamed; dK, dV accumulators; P^T and dP^T
-        resident, streamed, acc, tiles = (
-            block_n * (dqk + dvo),
-            block_m * (dqk + dvo),
-            block_n * (dqk + dvo),
-            2,
-        )
-    else:  # dq: Q, dO resident; K, V streamed; dQ accumulator; P and dP
-        resident, streamed, acc, tiles = block_m * (dqk + dvo), block_n * (dqk + dvo), block_m * dqk, 2
-    smem = (resident + num_stages * streamed + scores) * elem
-    return smem, (acc + tiles * scores) // (num_warps * 32)
+    if kind == "fwd":  # Q resident; K, V streamed
+        resident, streamed = block_m * dqk, block_n * (dqk + dvo)
+    elif kind == "dkdv":  # K, V resident; Q, dO streamed
+        resident, streamed = block_n * (dqk + dvo), block_m * (dqk + dvo)
+    else:  # dq: Q, dO resident; K, V streamed
+        resident, streamed = block_m * (dqk + dvo), block_n * (dqk + dvo)
+    return (resident + num_stages * streamed + block_m * block_n) * elem
 
 
-# Last-resort rule where nothing was measured (see prune_configs): at most this many fp32 tile
-# values per thread, the old accumulator bound with the score tiles added. Rough: the tables show
-# ptxas spilling a few bytes below it (a 32 x 32 forward tile at d = 128 on sm_80).
-ESTIMATE_MAX_VALUES_PER_THREAD = 128
-
-
-def _estimate_fits(kind: str, cfg: triton.Config, meta: dict, elem: int, smem_per_block: int) -> bool:
-    smem, values = _estimate(
-        kind, cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages, meta, elem
-    )
-    return smem <= smem_per_block and values <= ESTIMATE_MAX_VALUES_PER_THREAD
-
-
-def _lookup(table: resource_tables.ResourceTable, kind: str, args: dict, cfg: triton.Config):
-    """The table's row for this launch and config: the exact head widths, else the padded ones
-    (the same tiles, without the column masks); None when the table lacks the case."""
-    kernel, dtype = KERNEL_NAMES[kind], DTYPE_NAMES[args["Q"].dtype]
-    loads = "tma" if args.get("KV_TMA") or args.get("QDO_TMA") else "ptr"
-    config = resource_tables.config_key(
-        cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages
-    )
-    for d_qk, d_vo in ((args["D_QK"], args["D_VO"]), (args["BLOCK_DQK"], args["BLOCK_DVO"])):
-        case = resource_tables.case_key(d_qk, d_vo, bool(args["CAUSAL"]), loads)
-        if table.has_case(kernel, dtype, case):
-            return table.lookup(kernel, dtype, case, config)
-    return None
-
-
-def measured(
-    kind: str, args: dict, cfg: triton.Config, capability: int | None
-) -> resource_tables.Measured | None:
-    """What the checked-in table of this target, made by the installed Triton, measured for `cfg`
-    in this launch; None when there is no such table or it lacks the case."""
-    table = resource_tables.current_table(capability, triton.__version__)
-    return _lookup(table, kind, args, cfg) if table is not None else None
-
-
-def measured_anywhere(kind: str, args: dict, cfg: triton.Config) -> list[resource_tables.Measured]:
-    """The rows of every checked-in table (any target, any Triton version) for `cfg` in this launch."""
-    tables = [resource_tables.load_table(c) for c in resource_tables.table_capabilities()]
-    rows = [_lookup(table, kind, args, cfg) for table in tables]
-    return [row for row in rows if row is not None]
+def _tile(cfg: triton.Config) -> Tile:
+    return (cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages)
 
 
 def prune_configs(
-    kind: str, configs: list[triton.Config], args: dict, capability: int | None, smem_per_block: int
+    kind: str, configs: list[triton.Config], args: dict, device: runtime.DeviceLimits
 ) -> list[triton.Config]:
-    """The configs worth timing for one launch (`args`: its arguments by name) on a GPU of
-    `capability` (90 for sm_90; None: unknown) whose CTAs may use `smem_per_block` bytes.
+    """The configs worth timing for one launch (`args`: its arguments by name) on `device`.
 
-    1. fp32 inputs use IEEE dots on FMA units, where big tiles gain nothing and take 30-100 s
+    1. The candidates listed for the launch's padded head width and the device's generation.
+    2. fp32 inputs use IEEE dots on FMA units, where big tiles gain nothing and take 30-100 s
        each to compile (measured for sm_90): at most 64 x 32.
-    2. Resources: a config must compile without spilling and launch, as measured by
-       `python -m kernels.inspect --update-table` into `kernels/targets/sm_XX.json`:
-       a. the table of this target made by the installed Triton, when it covers the head widths
-          (exactly, or their padded powers of two): what it says;
-       b. otherwise (another Triton version, a GPU without a table: sm_86, sm_89, sm_100, ...):
-          the config must fit in every table that covers the case, and its largest measured
-          shared memory must fit this device;
-       c. nothing measured (fp32, a head-width pair no table has): `_estimate_fits`, a rough rule.
-    3. Blocks longer than the whole sequence only waste work: dropped while others remain.
-    Never returns nothing: the config with the least estimated shared memory is the last resort.
+    3. `runtime.prune_configs`: what fits the device's shared memory, preferring blocks no longer
+       than the sequence (longer ones only waste work).
     """
+    listed = set(listed_configs(kind, max(args["BLOCK_DQK"], args["BLOCK_DVO"]), device.capability))
+    pool = [c for c in configs if _tile(c) in listed] or list(configs)
     elem = args["Q"].element_size()
     if elem == 4:
-        configs = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 32]
-
-    def fits(cfg: triton.Config) -> bool:
-        known = measured(kind, args, cfg, capability)
-        if known is not None:
-            return known.fits
-        elsewhere = measured_anywhere(kind, args, cfg)
-        if elsewhere:
-            return all(m.fits for m in elsewhere) and max(m.smem_bytes for m in elsewhere) <= smem_per_block
-        return _estimate_fits(kind, cfg, args, elem, smem_per_block)
-
-    feasible = [c for c in configs if fits(c)]
-    t_bucket = args["T_BUCKET"]
-    sized = [c for c in feasible if max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) <= max(t_bucket, 32)]
-    if sized or feasible:
-        return sized or feasible
-    smem = lambda c: _estimate(
-        kind, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, args, elem
+        pool = [c for c in pool if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 32] or pool
+    longest = max(args["T_BUCKET"], 32)
+    return runtime.prune_configs(
+        pool,
+        device,
+        shared_bytes=lambda c: _shared_bytes(
+            kind, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages, args, elem
+        ),
+        prefer=lambda c: max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) <= longest,
     )
-    return [min(configs, key=lambda c: smem(c)[0])]
 
 
 def _make_pruner(kind: str) -> Callable:
@@ -914,13 +861,7 @@ def _make_pruner(kind: str) -> Callable:
 
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
         args = {**named_args, **kwargs}
-        device = args["Q"].device
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        kept = prune_configs(kind, configs, args, _capability(index), _max_shared_memory(index))
-        # The tiling sets the order of the online softmax's and the gradients' sums: under
-        # torch.use_deterministic_algorithms every run launches the same one (the first that fits),
-        # not whichever timed fastest in this process.
-        return kept[:1] if torch.are_deterministic_algorithms_enabled() else kept
+        return prune_configs(kind, configs, args, runtime.device_limits(args["Q"].device))
 
     return prune
 
@@ -970,8 +911,8 @@ def _autotuned(kernel: triton.runtime.JITFunction, kind: str, tma: bool):
     )(kernel)
 
 
-if _INTERPRET:
-    # Launch the plain kernels with INTERPRETER_BLOCKS (see `_blocks`).
+if runtime.interpreting():
+    # Launch the plain kernels with INTERPRETER_TILES (see `_fixed_tiling`).
     _attn_fwd = _attn_fwd_tma = _attn_fwd_kernel
     _attn_bwd_dkdv = _attn_bwd_dkdv_tma = _attn_bwd_dkdv_kernel
     _attn_bwd_dq = _attn_bwd_dq_tma = _attn_bwd_dq_kernel
@@ -984,12 +925,21 @@ else:
     _attn_bwd_dq_tma = _autotuned(_attn_bwd_dq_kernel, "dq", tma=True)
 
 # The preprocess is a memory-bound row reduction; one tiling is fine everywhere.
-_PREPROCESS_BLOCK_M = 64
+_PREPROCESS_TILE = {"BLOCK_M": 64}
 
 
-def _blocks(kind: str) -> dict[str, int]:
-    """Launch-time block sizes: fixed under the interpreter, chosen by the autotuner on GPU."""
-    return dict(INTERPRETER_BLOCKS[kind]) if _INTERPRET else {}
+def _fixed_tiling(kind: str) -> dict[str, int]:
+    """A fixed tiling: the interpreter's; on a GPU none ({}: the autotuner chooses)."""
+    return dict(INTERPRETER_TILES[kind]) if runtime.interpreting() else {}
+
+
+def _tuned_launch(kind: str, tma: bool, wrappers: tuple) -> dict:
+    """The tiling fields of a tuned kernel's KernelLaunch: its candidates and the autotuner, or the
+    fixed tiling alone."""
+    fixed = _fixed_tiling(kind)
+    if fixed:
+        return {"configs": [runtime.config(fixed)], "tuned": None}
+    return {"configs": _tuning_configs(kind, tma), "tuned": wrappers[tma]}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1031,7 +981,7 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             raise ValueError(f"flash_attention: {name} head width {d} must be between 1 and {MAX_HEAD_DIM}")
     if min(q.shape[:3]) < 1:
         raise ValueError(f"flash_attention: B, H and T must be >= 1, got {tuple(q.shape[:3])}")
-    if q.device.type == "cpu" and not _INTERPRET:
+    if q.device.type == "cpu" and not runtime.interpreting():
         raise ValueError(
             "flash_attention: got CPU tensors. Triton kernels need CUDA tensors, "
             "or TRITON_INTERPRET=1 for the CPU interpreter (set before triton is imported)"
@@ -1097,10 +1047,8 @@ def _descriptors(
     )
 
 
-def _pruner(kind: str, launch: KernelLaunch) -> Callable:
-    return lambda configs, capability, smem: prune_configs(
-        kind, configs, launch.named_args(), capability, smem
-    )
+def _pruner(kind: str, launch: runtime.KernelLaunch) -> Callable:
+    return lambda configs, device: prune_configs(kind, configs, launch.named_args(), device)
 
 
 def forward_launch(
@@ -1113,14 +1061,14 @@ def forward_launch(
     sm_scale: float,
     capability: int | None,
     allow_tma: bool = True,
-) -> KernelLaunch:
+) -> runtime.KernelLaunch:
     """The forward kernel's launch for a GPU of `capability` (90: sm_90, None: the interpreter).
     On sm_90 K and V stream through TMA descriptors when their layout allows (and `allow_tma`;
     False forces the pointer path, which inputs TMA cannot address take anyway)."""
     B, H, T, d_qk = q.shape
     k_desc, v_desc = _descriptors(capability, allow_tma, k, v)
     tma = k_desc is not None
-    launch = KernelLaunch(
+    launch = runtime.KernelLaunch(
         name=KERNEL_NAMES["fwd"],
         kernel=_attn_fwd_kernel,
         grid=lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B),
@@ -1146,11 +1094,9 @@ def forward_launch(
             "NEGATE_Q": sm_scale < 0,
             "KV_TMA": tma,
             **_head_meta(d_qk, v.shape[3], q.dtype),
-            **_blocks("fwd"),
         },
         # A fixed tiling (the interpreter's, or a test's) launches the kernel itself, untuned.
-        tuned=None if _blocks("fwd") else (_attn_fwd_tma if tma else _attn_fwd),
-        configs=_tuning_configs("fwd", tma),
+        **_tuned_launch("fwd", tma, (_attn_fwd, _attn_fwd_tma)),
         pre_hook=_shape_descriptors,
     )
     launch.prune = _pruner("fwd", launch)
@@ -1172,7 +1118,7 @@ def backward_launches(
     sm_scale: float,
     capability: int | None,
     allow_tma: bool = True,
-) -> list[KernelLaunch]:
+) -> list[runtime.KernelLaunch]:
     """The backward's three launches, in order: delta = rowsum(dO * O), then dK/dV, then dQ. On
     sm_90 the streamed operands (Q and dO for dK/dV, K and V for dQ) go through TMA descriptors
     when their layout allows."""
@@ -1180,17 +1126,18 @@ def backward_launches(
     d_vo = v.shape[3]
     meta = _head_meta(d_qk, d_vo, q.dtype)
     scales = (H, T, triton.next_power_of_2(T), sm_scale, sm_scale * LOG2E)
-    pre_block = INTERPRETER_BLOCKS["preprocess"]["BLOCK_M"] if _INTERPRET else _PREPROCESS_BLOCK_M
-    preprocess = KernelLaunch(
+    pre_tile = _fixed_tiling("preprocess") or _PREPROCESS_TILE
+    preprocess = runtime.KernelLaunch(
         name="attn_bwd_preprocess",
         kernel=_attn_bwd_preprocess_kernel,
-        grid=(triton.cdiv(T, pre_block), H, B),
+        grid=(triton.cdiv(T, pre_tile["BLOCK_M"]), H, B),
         args=(o, do, delta, *o.stride(), *do.stride(), H, T),
-        kwargs={"D_VO": d_vo, "BLOCK_DVO": meta["BLOCK_DVO"], "BLOCK_M": pre_block},
+        kwargs={"D_VO": d_vo, "BLOCK_DVO": meta["BLOCK_DVO"]},
+        configs=[runtime.config(pre_tile)],
     )
 
     q_desc, do_desc = _descriptors(capability, allow_tma, q, do)
-    dkdv = KernelLaunch(
+    dkdv = runtime.KernelLaunch(
         name=KERNEL_NAMES["dkdv"],
         kernel=_attn_bwd_dkdv_kernel,
         grid=lambda m: (triton.cdiv(T, m["BLOCK_N"]), H, B),
@@ -1213,15 +1160,14 @@ def backward_launches(
             *dv.stride(),
             *scales,
         ),  # fmt: skip
-        kwargs={"CAUSAL": bool(causal), "QDO_TMA": q_desc is not None, **meta, **_blocks("dkdv")},
-        tuned=None if _blocks("dkdv") else (_attn_bwd_dkdv_tma if q_desc is not None else _attn_bwd_dkdv),
-        configs=_tuning_configs("dkdv", q_desc is not None),
+        kwargs={"CAUSAL": bool(causal), "QDO_TMA": q_desc is not None, **meta},
+        **_tuned_launch("dkdv", q_desc is not None, (_attn_bwd_dkdv, _attn_bwd_dkdv_tma)),
         pre_hook=_shape_descriptors,
     )
     dkdv.prune = _pruner("dkdv", dkdv)
 
     k_desc, v_desc = _descriptors(capability, allow_tma, k, v)
-    dq_launch = KernelLaunch(
+    dq_launch = runtime.KernelLaunch(
         name=KERNEL_NAMES["dq"],
         kernel=_attn_bwd_dq_kernel,
         grid=lambda m: (triton.cdiv(T, m["BLOCK_M"]), H, B),
@@ -1242,9 +1188,8 @@ def backward_launches(
             *dq.stride(),
             *scales,
         ),  # fmt: skip
-        kwargs={"CAUSAL": bool(causal), "KV_TMA": k_desc is not None, **meta, **_blocks("dq")},
-        tuned=None if _blocks("dq") else (_attn_bwd_dq_tma if k_desc is not None else _attn_bwd_dq),
-        configs=_tuning_configs("dq", k_desc is not None),
+        kwargs={"CAUSAL": bool(causal), "KV_TMA": k_desc is not None, **meta},
+        **_tuned_launch("dq", k_desc is not None, (_attn_bwd_dq, _attn_bwd_dq_tma)),
         pre_hook=_shape_descriptors,
     )
     dq_launch.prune = _pruner("dq", dq_launch)

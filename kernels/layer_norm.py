@@ -31,6 +31,10 @@ toward zero instead of to nearest even as on a GPU: bf16 results, the fused op's
 included, may differ from torch's by one bf16 ulp there.) Weight-gradient reductions are
 deterministic: fp32 partial sums per program into a (P, N) buffer, then a torch `.sum(0)`; no
 atomics, no locks.
+
+Tiling (kernels/runtime.py): not timed. Each launch has one config, derived from the row width
+(`_geometry`: whole rows in one tile up to a width, 16 values per thread), the same under the
+interpreter; `python -m tools.inspect` compiles it for every model width and the wide rows.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import KernelLaunch, device_sm_count
+from kernels import runtime
 from kernels.reference import (  # noqa: F401  (the tests import the references from here too)
     LAYER_NORM_FORMULAS,
     add_layer_norm_reference,
@@ -73,7 +77,7 @@ MAX_N = 65536  # widest row accepted (the issue's limit; wide rows loop over col
 _FWD_MAX_SINGLE_BLOCK = 16384
 _BWD_MAX_SINGLE_BLOCK = 8192
 # Tile elements per warp: 16 fp32 values per thread in both directions. Measured with
-# `python -m kernels.inspect` (Triton 3.9, ptxas -v), no tile the launchers pick spills on sm_80 or
+# `python -m tools.inspect` (Triton 3.9, ptxas -v), no tile the launchers pick spills on sm_80 or
 # sm_90: the forward takes 40-60 registers, the backward 100-128. The backward used 8 values per
 # thread before: 32 warps at N = 8192, where 1024 threads leave 64 registers each, and it spilled
 # 40 B (56 B with the residual gradient); and at N <= 2048 one 16-warp CTA of about 80 registers
@@ -413,11 +417,6 @@ def _layer_norm_bwd_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-def _interpreter_active() -> bool:
-    """True when the kernels were built for the Triton interpreter (TRITON_INTERPRET=1 at import)."""
-    return not isinstance(_layer_norm_fwd_kernel, triton.runtime.JITFunction)
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -470,7 +469,7 @@ def _check_inputs(
     for name, t in (("residual", residual), ("weight", weight), ("bias", bias)):
         if t is not None and t.device != x.device:
             raise ValueError(f"x is on {x.device} but {name} is on {t.device}; tensors must share a device")
-    if x.device.type != "cuda" and not _interpreter_active():
+    if x.device.type != "cuda" and not runtime.interpreting():
         raise ValueError(
             f"Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 for the CPU interpreter; "
             f"got tensors on {x.device}"
@@ -522,7 +521,18 @@ def _bwd_partition(m: int, n: int, sm_count: int | None, block_n: int | None = N
 
 def _bwd_row_programs(m: int, n: int, device: torch.device, block_n: int | None = None) -> tuple[int, int]:
     """`_bwd_partition` for the GPU `device` is on."""
-    return _bwd_partition(m, n, device_sm_count(device), block_n)
+    return _bwd_partition(m, n, _sm_count(device), block_n)
+
+
+def _sm_count(device: torch.device) -> int | None:
+    """SMs of a CUDA device (the partitions fill them); None elsewhere (the interpreter)."""
+    limits = runtime.device_limits(device)
+    return limits.sm_count if limits is not None else None
+
+
+def _tiling(block_m: int, block_n: int, num_warps: int) -> triton.Config:
+    """A launch's geometry as its one config (num_stages: Triton's default)."""
+    return runtime.config({"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps})
 
 
 def forward_launch(
@@ -533,7 +543,7 @@ def forward_launch(
     formula: str,
     residual: torch.Tensor | None,  # (..., N) like x
     block_n: int | None = None,
-) -> tuple[KernelLaunch | None, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]]:
+) -> tuple[runtime.KernelLaunch | None, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]]:
     """The forward's launch (None when there are no rows) and its outputs (y, summed, mean, rstd),
     allocated on x's device, not yet computed."""
     n = x.shape[-1]
@@ -552,7 +562,7 @@ def forward_launch(
     block_m, bn, single, num_warps = _geometry(m, n, _FWD_MAX_SINGLE_BLOCK, _FWD_ELEMS_PER_WARP, block_n)
     w = weight.contiguous() if weight is not None else x2
     b = bias.contiguous() if bias is not None else x2
-    launch = KernelLaunch(
+    launch = runtime.KernelLaunch(
         name="ln_fwd_residual" if residual is not None else "ln_fwd",
         kernel=_layer_norm_fwd_kernel,
         grid=(triton.cdiv(m, block_m),),
@@ -578,11 +588,9 @@ def forward_launch(
             "HAS_RESIDUAL": residual is not None,
             "HAS_WEIGHT": weight is not None,
             "HAS_BIAS": bias is not None,
-            "BLOCK_M": block_m,
-            "BLOCK_N": bn,
             "SINGLE_BLOCK": single,
-            "num_warps": num_warps,
         },
+        configs=[_tiling(block_m, bn, num_warps)],
     )
     return launch, outputs
 
@@ -599,7 +607,7 @@ def backward_launches(
     dsummed: torch.Tensor | None,  # (..., N) grad of the fused op's `summed`
     sm_count: int | None,  # SMs of the GPU (None: the interpreter)
     block_n: int | None = None,
-) -> tuple[list[KernelLaunch], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+) -> tuple[list[runtime.KernelLaunch], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
     """The backward's launches, in order (rows wider than one tile first get their row sums),
     and (dx, dweight_partial (P, N), dbias_partial (P, N)) allocated on x's device; dweight and
     dbias are the fixed-order column sums of the partials."""
@@ -622,24 +630,20 @@ def backward_launches(
         mg = torch.empty(m, dtype=torch.float32, device=x.device)
         mgx = torch.empty(m, dtype=torch.float32, device=x.device)
         launches.append(
-            KernelLaunch(
+            runtime.KernelLaunch(
                 name="ln_bwd_row_sums",
                 kernel=_layer_norm_bwd_row_sums_kernel,
                 grid=(m,),
                 args=(x2, w, dy2, mean, rstd, mg, mgx, x2.stride(0), dy2.stride(0), m, n),
-                kwargs={
-                    "HAS_WEIGHT": weight is not None,
-                    "BLOCK_M": 1,
-                    "BLOCK_N": bn,
-                    "num_warps": num_warps,
-                },
+                kwargs={"HAS_WEIGHT": weight is not None},
+                configs=[_tiling(1, bn, num_warps)],
             )
         )
     # Deterministic weight gradients: program p writes row p of these, then a fixed-order sum.
     dw_part = torch.empty((programs, n), dtype=torch.float32, device=x.device) if weight is not None else None
     db_part = torch.empty((programs, n), dtype=torch.float32, device=x.device) if bias is not None else None
     launches.append(
-        KernelLaunch(
+        runtime.KernelLaunch(
             name="ln_bwd_residual" if dsummed is not None else "ln_bwd",
             kernel=_layer_norm_bwd_kernel,
             grid=(programs, triton.cdiv(n, bn)),
@@ -669,11 +673,9 @@ def backward_launches(
                 "HAS_WEIGHT": weight is not None,
                 "HAS_BIAS": bias is not None,
                 "HAS_DS": dsummed is not None,
-                "BLOCK_M": block_m,
-                "BLOCK_N": bn,
                 "SINGLE_BLOCK": single,
-                "num_warps": num_warps,
             },
+            configs=[_tiling(block_m, bn, num_warps)],
         )
     )
     return launches, (dx, dw_part, db_part)
@@ -726,7 +728,7 @@ def layer_norm_backward(
     if dy.shape != x.shape:
         raise ValueError(f"dy shape {tuple(dy.shape)} differs from x shape {tuple(x.shape)}")
     launches, (dx, dw_part, db_part) = backward_launches(
-        dy, x, mean, rstd, weight, bias, eps, formula, dsummed, device_sm_count(x.device), block_n
+        dy, x, mean, rstd, weight, bias, eps, formula, dsummed, _sm_count(x.device), block_n
     )
     if not launches:  # no rows
         zeros = lambda p: torch.zeros_like(p) if p is not None else None

@@ -10,49 +10,21 @@ kernel, the chunked torch path, or torch's own F.linear_cross_entropy (chunked, 
 
 Entry points call `prepare_kernels(kernels, device)` once, before anything imports triton: it
 selects the Triton CPU interpreter when "triton" is asked for without CUDA, so that a user never
-has to set TRITON_INTERPRET=1 by hand.
+has to set TRITON_INTERPRET=1 by hand. How Triton runs in the process is kernels.runtime's.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
+from kernels import runtime
 from kernels.reference import add_layer_norm_reference, chunked_linear_cross_entropy, layer_norm_reference
 from lmsys.core.console import command, warn
 from lmsys.core.errors import ConfigError
-
-# Values of TRITON_INTERPRET that triton reads as "on" (triton.knobs' boolean parsing).
-_TRUTHY = ("1", "true", "on", "yes", "y")
-
-
-def _imported_triton_mode() -> str | None:
-    """How this process's triton builds @triton.jit functions: None while triton is not imported,
-    else "interpreter" or "compiled".
-
-    Triton fixes the mode when it is imported: its own library functions (tl.sum, tl.max, ...)
-    are @triton.jit functions built at that import, for the interpreter or for compiled GPU
-    code, and an interpreted kernel cannot call compiled ones ("Cannot call @triton.jit'd outside
-    of the scope of a kernel"; checked with triton 3.9). Our kernel modules, if imported, were
-    built the same way then."""
-    if "triton" not in sys.modules:
-        return None
-    try:  # triton is already imported here; these imports only look at it
-        from triton.language import standard
-        from triton.runtime import JITFunction
-
-        compiled = isinstance(standard.sum, JITFunction)  # an InterpretedFunction otherwise
-    except (ImportError, AttributeError):  # another triton layout: trust the variable it read
-        compiled = os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in _TRUTHY
-    flash = sys.modules.get("kernels.flash_attention")
-    if flash is not None and not getattr(flash, "_INTERPRET", True):
-        compiled = True
-    return "compiled" if compiled else "interpreter"
 
 
 def prepare_kernels(kernels: str, device: torch.device | str, dtype: torch.dtype | None = None) -> None:
@@ -61,7 +33,7 @@ def prepare_kernels(kernels: str, device: torch.device | str, dtype: torch.dtype
     initialize does, for one).
 
     Only kernels="triton" without CUDA needs anything: the Triton CPU interpreter. Before triton
-    is imported this sets TRITON_INTERPRET=1 in os.environ (child processes inherit it); when
+    is imported this requests it in os.environ (TRITON_INTERPRET=1: child processes inherit it); when
     triton is already imported for the interpreter there is nothing to do; when it was imported
     for compiled GPU code, which cannot be undone in this process, it raises one ConfigError
     saying how to start the process instead; with `dtype` bf16 it raises one ConfigError too (the
@@ -70,7 +42,7 @@ def prepare_kernels(kernels: str, device: torch.device | str, dtype: torch.dtype
     kernels run interpreted there.
     """
     on_cuda = torch.device(device).type == "cuda"
-    if on_cuda and kernels != "torch" and os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUTHY:
+    if on_cuda and kernels != "torch" and runtime.interpreter_requested():
         warn(
             command(),
             "TRITON_INTERPRET is set: the Triton kernels run in the Python interpreter, thousands of "
@@ -83,11 +55,11 @@ def prepare_kernels(kernels: str, device: torch.device | str, dtype: torch.dtype
             f"model.kernels=triton with bf16 on {torch.device(device)}: the Triton CPU interpreter "
             "cannot compute bf16 attention; use fp32 there, or model.kernels=auto (torch ops)"
         )
-    mode = _imported_triton_mode()
+    mode = runtime.triton_mode()
     if mode != "compiled":
         _warn_interpreted(str(torch.device(device)))
     if mode is None:
-        os.environ["TRITON_INTERPRET"] = "1"
+        runtime.request_interpreter()
     elif mode == "compiled":
         raise ConfigError(
             f"model.kernels=triton on {torch.device(device)} needs the Triton CPU interpreter, but "
@@ -273,7 +245,7 @@ def loss_implementation(h: torch.Tensor, loss_impl: str, kernels: str) -> str:
     """What `model.loss_impl` means for hidden states `h`: "fused", "chunked", "torch" or "full" as
     set, and "auto" is fused where model.kernels runs Triton (CUDA tensors under "auto"), chunked
     elsewhere. Why not torch's F.linear_cross_entropy under auto (docs/model.md, `python -m
-    kernels.bench ce`): on a CPU lmsys's chunked path is faster than every chunking option of
+    tools.bench ce`): on a CPU lmsys's chunked path is faster than every chunking option of
     torch's (and as small); on CUDA the fused kernel is lmsys's, torch's op is a row of the same
     benchmark, and auto changes only where that benchmark on the device says so."""
     if loss_impl == "fused" and "linear_cross_entropy" in _FALLEN_BACK:
@@ -347,7 +319,7 @@ def prepare_interpreted_loss(h: torch.Tensor, kernels: str) -> None:
             f"model.loss_impl=fused with bf16 on {device}: the Triton CPU interpreter cannot multiply bf16; "
             "use model.loss_impl=chunked there"
         )
-    mode = _imported_triton_mode()
+    mode = runtime.triton_mode()
     if mode == "compiled":
         raise ConfigError(
             f"model.loss_impl=fused on {device} needs the Triton CPU interpreter, but triton was already "
@@ -356,7 +328,7 @@ def prepare_interpreted_loss(h: torch.Tensor, kernels: str) -> None:
             "environment, or use model.loss_impl=chunked"
         )
     if mode is None:
-        os.environ["TRITON_INTERPRET"] = "1"
+        runtime.request_interpreter()
     if kernels != "triton":  # with model.kernels=triton, prepare_kernels has said it already
         _warn_interpreted_loss(device)
 

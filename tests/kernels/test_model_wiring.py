@@ -160,6 +160,7 @@ def test_prepare_kernels_selects_the_interpreter_before_triton_is_imported():
         """
         import os, sys
         import torch
+        from kernels import runtime
         from lmsys.model import ops
         assert "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ
         ops.prepare_kernels("triton", torch.device("cpu"))
@@ -167,7 +168,7 @@ def test_prepare_kernels_selects_the_interpreter_before_triton_is_imported():
         """,
         _TRITON_VS_TORCH,
         """
-        assert ops._imported_triton_mode() == "interpreter"
+        assert runtime.triton_mode() == "interpreter"
         ops.prepare_kernels("triton", torch.device("cpu"))  # again: no second warning
         """,
     )
@@ -188,9 +189,10 @@ def test_prepare_kernels_after_a_compiled_triton_import_is_one_clear_error():
         import os, sys
         import torch
         import triton  # compiled mode: TRITON_INTERPRET is unset
+        from kernels import runtime
         from lmsys.model import ops
         from lmsys.core.errors import ConfigError
-        assert ops._imported_triton_mode() == "compiled"
+        assert runtime.triton_mode() == "compiled"
         for kernels, device in [("auto", "cpu"), ("torch", "cpu"), ("triton", "cuda")]:
             ops.prepare_kernels(kernels, device)  # nothing to do, nothing raised
         assert "TRITON_INTERPRET" not in os.environ
@@ -226,6 +228,7 @@ def test_prepare_kernels_warns_of_the_interpreter_on_cuda(monkeypatch, capsys):
 
 def test_prepare_kernels_in_this_session():
     """Here triton was imported as conftest chose: interpreter on CPU, compiled with CUDA."""
+    from kernels import runtime
     from lmsys.core.errors import ConfigError
     from lmsys.model import ops
 
@@ -233,13 +236,13 @@ def test_prepare_kernels_in_this_session():
         ops.prepare_kernels(choice, "cpu")
     ops.prepare_kernels("triton", "cuda")
     if DEVICE == "cpu":
-        assert ops._imported_triton_mode() == "interpreter"
+        assert runtime.triton_mode() == "interpreter"
         ops.prepare_kernels("triton", "cpu")
         ops.prepare_kernels("triton", "cpu", torch.float16)
         with pytest.raises(ConfigError, match="cannot compute bf16 attention"):
             ops.prepare_kernels("triton", "cpu", torch.bfloat16)
     else:
-        assert ops._imported_triton_mode() == "compiled"
+        assert runtime.triton_mode() == "compiled"
         with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
             ops.prepare_kernels("triton", "cpu")
 
@@ -269,6 +272,7 @@ def test_fused_loss_on_cpu_selects_the_interpreter_before_triton_is_imported():
         """
         import os, sys
         import torch
+        from kernels import runtime
         from lmsys.model import ops
         from lmsys.core.errors import ConfigError
         assert "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ
@@ -276,7 +280,7 @@ def test_fused_loss_on_cpu_selects_the_interpreter_before_triton_is_imported():
         _FUSED_LOSS,
         _FUSED_LOSS,  # again: no second warning
         """
-        assert os.environ["TRITON_INTERPRET"] == "1" and ops._imported_triton_mode() == "interpreter"
+        assert os.environ["TRITON_INTERPRET"] == "1" and runtime.triton_mode() == "interpreter"
         """,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
