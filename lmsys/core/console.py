@@ -97,7 +97,7 @@ class StepReport:
             "mfu": self.mfu,
             "step_time_s": self.step_time_s,
             # wall time since this launch's first step began, logging of earlier steps included:
-            # differences give the loop's true per-step cost (lmsys.bench train)
+            # differences give the loop's true per-step cost (tools.bench train)
             "elapsed_s": self.elapsed_s,
             "memory_gb": self.memory_gb,
             "tokens": self.tokens,

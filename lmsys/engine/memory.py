@@ -21,7 +21,7 @@ micro-batches):
   from ZeRO-1, with the partition's gradient).
 
 Each figure below was read off torch's allocator events of real CPU runs (lmsys-train
-trainer.trace_memory=true, the rows of `python -m lmsys.bench plan`; docs/planning.md).
+trainer.trace_memory=true, the rows of `python -m tools.bench plan`; docs/planning.md).
 """
 
 from __future__ import annotations

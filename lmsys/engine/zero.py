@@ -273,7 +273,7 @@ def deepspeed_config(
         "stage": ds.stage,
         # Both exist for GPUs (overlap the gradient reduction with the backward on a side stream;
         # avoid fragmenting GPU memory). A CPU has no streams and no fragmentation to avoid: they
-        # only add gradient copies (~10% of a tiny model's ZeRO-2 step; lmsys.bench train).
+        # only add gradient copies (~10% of a tiny model's ZeRO-2 step; tools.bench train).
         "overlap_comm": ds.overlap_comm and cuda,
         "contiguous_gradients": ds.contiguous_gradients and cuda,
         "reduce_bucket_size": ds.reduce_bucket_size,

@@ -1,8 +1,8 @@
-"""The static inspection of the kernels for sm_80 / sm_90 (`python -m kernels.inspect`), the resource
-tables the autotune pruners trust, and the analysis pieces they rest on.
+"""The static inspection of the kernels for sm_80 / sm_90 (`python -m tools.inspect`), the tiling
+candidates the runtime keeps per target, and the analysis pieces they rest on.
 
 The CI subset compiles every kernel for both targets in a subprocess: this test process runs with
-TRITON_INTERPRET=1 (tests/conftest.py), under which `@triton.jit` builds interpreted functions
+the Triton interpreter (tests/conftest.py), under which `@triton.jit` builds interpreted functions
 that cannot be compiled for a GPU. Nothing here times anything: registers, spills, shared memory
 and SASS are properties of the binaries.
 """
@@ -19,14 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import triton
 
-from kernels import resource_tables
-from kernels.inspect import aot
+from kernels import runtime
 from tests import background
+from tools.inspect import aot, candidates
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FA = importlib.import_module("kernels.flash_attention")
+LCE = importlib.import_module("kernels.linear_cross_entropy")
 
 # The Triton tutorial's fused-attention forward (06-fused-attention.py, TMA variant), compiled for
 # sm_90 at 128 x 128, 8 warps, 2 stages, head dim 128, causal: SASS instructions per warp in its
@@ -35,9 +35,8 @@ TUTORIAL_LOOP_INSTRUCTIONS = 523
 
 # The CI subset: every kernel, head dims 64 and 128, widths 768, 1600 and 8192 (plus 16384, the
 # only width that runs the backward's row-sums kernel), both targets, the causal mask (every
-# preset's; the full mask was a third of the compile time: `make inspect` compiles it, the tables
-# list it, test_table_is_current_and_complete), the load path each target takes; the linear
-# cross-entropy's training launches at gpt2_124m's shape.
+# preset's; the full mask was a third of the compile time: `make inspect` compiles it), the load
+# path each target takes; the linear cross-entropy's training launches at gpt2_124m's shape.
 SUBSET_ARGS = [
     "--arch", "80,90", "--dtype", "bf16", "--head-dims", "64,128", "--masks", "causal",
     "--loads", "auto", "--widths", "768,1600,8192,16384", "--lce-widths", "768", "--lce-variants", "train",
@@ -56,9 +55,9 @@ ALL_KERNELS = {
 
 
 def subset_command(out: Path) -> tuple[list[str], dict[str, str]]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = runtime.compiler_environment()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    argv = [sys.executable, "-m", "kernels.inspect", *SUBSET_ARGS, "--json", str(out / "report.json")]
+    argv = [sys.executable, "-m", "tools.inspect", *SUBSET_ARGS, "--json", str(out / "report.json")]
     return [*argv, "--dump", str(out / "cubins")], env
 
 
@@ -79,13 +78,13 @@ def subset():
 def test_subset_compiles_every_kernel_without_spills(subset):
     proc, rows = subset
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-6000:]}\nstderr:\n{proc.stderr[-3000:]}"
-    assert "OK: every kept config compiles without spills and launches" in proc.stdout
+    assert "OK: every listed config compiles without spills and launches" in proc.stdout
     for arch in ("sm_80", "sm_90"):
         assert {r["kernel"] for r in rows if r["arch"] == arch} == ALL_KERNELS, arch
     for r in rows:
         assert "error" not in r, r
         assert r["spill_bytes"] == 0 and r["stack_bytes"] == 0 and r["launchable"], r
-        assert r["kept"], r  # only configs the pruner keeps are compiled outside --update-table
+        assert r["listed"], r  # only the configs the runtime keeps are compiled outside --candidates
         for key in ("registers", "smem_bytes", "mma", "tma", "loop_instructions", "cubin", "config"):
             assert key in r, key
         assert (r["head_dim"] is None) != (r["width"] is None), r
@@ -163,120 +162,96 @@ def test_layer_norm_backward_keeps_enough_loads_in_flight(subset):
         assert r["in_flight_bytes_per_sm"] >= 2 * target.little_bytes_per_sm, r
 
 
-def test_subset_agrees_with_the_checked_in_tables(subset):
-    """Staleness: every tuned row compiled just now has the registers, spills and shared memory its
-    table claims, and the tables come from the installed Triton."""
+def test_shared_memory_estimates_bound_what_the_compiler_allocates(subset):
+    """The runtime prunes on estimates (kernels/runtime.py): every compiled attention and loss tiling
+    needs at most its estimate, so a config the estimate keeps on a target also launches there."""
     _, rows = subset
-    tuned = [r for r in rows if r["kernel"] in FA.KERNEL_NAMES.values()]
-    assert tuned
-    for r in tuned:
-        table = resource_tables.load_table(int(r["arch"].removeprefix("sm_")))
-        assert table is not None and table.triton_version == triton.__version__, r["arch"]
-        measured = table.lookup(r["kernel"], r["dtype"], r["case"], r["config"])
-        assert measured is not None, r
-        got = (r["registers"], r["spill_bytes"], r["smem_bytes"], r["launchable"])
-        assert got == (measured.registers, measured.spill_bytes, measured.smem_bytes, measured.launchable), r
+    checked = 0
+    for r in rows:
+        t = r["tiling"]
+        if r["kernel"] in FA.KERNEL_NAMES.values():
+            kind = {v: k for k, v in FA.KERNEL_NAMES.items()}[r["kernel"]]
+            meta = FA._head_meta(r["d_qk"], r["d_vo"], torch.bfloat16)
+            estimate = FA._shared_bytes(kind, t["BLOCK_M"], t["BLOCK_N"], t["num_stages"], meta, 2)
+        elif r["kernel"] in LCE.KERNEL_NAMES:
+            estimate = LCE._shared_bytes(r["kernel"], torch.bfloat16)(runtime.config(t))
+        else:
+            continue
+        assert r["smem_bytes"] <= estimate, (r["kernel"], r["arch"], r["case"], r["config"], estimate)
+        checked += 1
+    assert checked > 20
 
 
 # ----------------------------------------------------------------------------------------------
-# The tables and the pruner (in process)
+# The candidates the runtime keeps (in process)
 # ----------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("capability", sorted(aot.TARGETS))
-def test_table_is_current_and_complete(capability):
-    """A table from another Triton, or missing a config of the tuning lists or a case the inspector
-    covers, fails here: regenerate with `python -m kernels.inspect --update-table`."""
-    table = resource_tables.load_table(capability)
-    assert table is not None, resource_tables.table_path(capability)
-    assert table.triton_version == triton.__version__
-    loads = ("tma", "ptr") if capability >= FA.TMA_MIN_CAPABILITY else ("ptr",)
-    for kind, configs in FA.CONFIGS.items():
-        kernel = FA.KERNEL_NAMES[kind]
-        for dtype in ("bf16", "fp16"):
-            for d_qk, d_vo in _inspect_module().HEAD_DIMS:
-                for causal in (True, False):
-                    for path in loads:
-                        case = resource_tables.case_key(d_qk, d_vo, causal, path)
-                        for bm, bn, w, s in configs:
-                            config = resource_tables.config_key(bm, bn, w, s)
-                            assert table.lookup(kernel, dtype, case, config) is not None, (
-                                kernel,
-                                dtype,
-                                case,
-                                config,
-                            )
-
-
-def _inspect_module():
-    # the inspector only imports here; it compiles nothing at import.
-    import kernels.inspect.inspector
-
-    return kernels.inspect.inspector
-
-
-def _table_cases(capability: int):
-    """(kind, dtype, d_qk, d_vo, causal, loads) of every case in a table."""
-    table = resource_tables.load_table(capability)
-    names = {v: k for k, v in FA.KERNEL_NAMES.items()}
-    seen = set()
-    for kernel, dtype, case, _ in table.rows:
-        m = re.fullmatch(r"dqk(\d+)-dvo(\d+)-(causal|full)-(tma|ptr)", case)
-        seen.add((names[kernel], dtype, int(m[1]), int(m[2]), m[3] == "causal", m[4]))
-    return sorted(seen)
 
 
 class _Meta:
-    """What the pruner reads from Q: dtype, element size, device."""
+    """What the pruner reads from Q: dtype and element size."""
 
     def __init__(self, dtype: torch.dtype):
-        self.dtype, self.device = dtype, torch.device("cuda", 0)
+        self.dtype = dtype
 
     def element_size(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
 
-def _prune_args(kind, dtype, d_qk, d_vo, causal, loads, t_bucket=1024):
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+def _prune_args(kind, dtype, d_qk, d_vo, loads="tma", t_bucket=1024):
     flag = "QDO_TMA" if kind == "dkdv" else "KV_TMA"
-    return {
-        "Q": _Meta(torch_dtype),
-        "T_BUCKET": t_bucket,
-        "CAUSAL": causal,
-        flag: loads == "tma",
-        **FA._head_meta(d_qk, d_vo, torch_dtype),
-    }
+    meta = FA._head_meta(d_qk, d_vo, dtype)
+    return {"Q": _Meta(dtype), "T_BUCKET": t_bucket, "CAUSAL": True, flag: loads == "tma", **meta}
 
 
-@pytest.mark.parametrize("capability", sorted(aot.TARGETS))
-def test_pruner_keeps_exactly_what_the_table_measured_to_fit(capability):
-    table = resource_tables.load_table(capability)
-    target = aot.TARGETS[capability]
-    dropped_for_spills = 0
-    for kind, dtype, d_qk, d_vo, causal, loads in _table_cases(capability):
-        configs = FA._tuning_configs(kind, loads == "tma")
-        args = _prune_args(kind, dtype, d_qk, d_vo, causal, loads)
-        kept = FA.prune_configs(kind, configs, args, capability, target.smem_per_block)
-        case = resource_tables.case_key(d_qk, d_vo, causal, loads)
-        fits = [
-            c
-            for c in configs
-            if table.lookup(
-                FA.KERNEL_NAMES[kind],
-                dtype,
-                case,
-                resource_tables.config_key(
-                    c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
-                ),
-            ).fits
-        ]
-        assert fits, f"no config fits {kind} {dtype} {case} on {target.name}"
-        assert kept == fits, (kind, dtype, case)
-        dropped_for_spills += len(configs) - len(fits)
-    assert dropped_for_spills > 0  # the table does drop configs (d = 256 spills everywhere)
+def _tiles(configs) -> list[tuple]:
+    return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in configs]
 
 
-# The spilling configs the issue found on the H100 target (bf16): (kernel, head dim, config).
+@pytest.mark.parametrize("kind", ["fwd", "dkdv", "dq"])
+def test_wide_head_lists_keep_the_candidates_order(kind):
+    """Every list is a subset of the candidates, in their order of preference: under deterministic
+    algorithms the first that fits is the one launched."""
+    order = FA.CONFIGS[kind]
+    for width, by_generation in FA._WIDE_HEADS[kind].items():
+        assert width in (128, 256) and set(by_generation) == set(FA.GENERATIONS)
+        for tiles in by_generation.values():
+            assert tiles and tiles == sorted(tiles, key=order.index), (kind, width)
+
+
+@pytest.mark.parametrize("kind", ["fwd", "dkdv", "dq"])
+@pytest.mark.parametrize("target", sorted(aot.TARGETS))
+def test_model_family_widths_time_every_candidate(kind, target):
+    """Head widths up to 64 (every preset's): nothing is dropped on sm_80 or sm_90."""
+    configs = FA._tuning_configs(kind, target >= FA.TMA_MIN_CAPABILITY)
+    for d in (16, 32, 48, 64):
+        args = _prune_args(kind, torch.bfloat16, d, d)
+        assert FA.prune_configs(kind, configs, args, aot.TARGETS[target].limits) == configs, (kind, d)
+
+
+DEVICES = [
+    aot.SM80.limits,
+    aot.SM90.limits,
+    runtime.DeviceLimits(capability=89, sm_count=128, smem_per_block=99 * 1024),
+    runtime.DeviceLimits(capability=100, sm_count=148, smem_per_block=227 * 1024),
+]
+
+
+@pytest.mark.parametrize("kind", ["fwd", "dkdv", "dq"])
+@pytest.mark.parametrize("d_qk,d_vo", [(128, 128), (64, 128), (96, 40), (256, 256), (200, 64)])
+@pytest.mark.parametrize("device", DEVICES, ids=lambda d: f"sm_{d.capability}")
+def test_wider_heads_take_their_generations_list(kind, d_qk, d_vo, device):
+    """The list of the padded width and the device's generation, less what does not fit its shared
+    memory: sm_80 and sm_89 (99 KiB) take the sm_80 list, sm_90 and later the sm_90 one."""
+    configs = FA._tuning_configs(kind, False)
+    args = _prune_args(kind, torch.float16, d_qk, d_vo, loads="ptr")
+    width = max(args["BLOCK_DQK"], args["BLOCK_DVO"])
+    listed = FA._WIDE_HEADS[kind][width][90 if device.capability >= 90 else 80]
+    fits = [t for t in listed if FA._shared_bytes(kind, t[0], t[1], t[3], args, 2) <= device.smem_per_block]
+    kept = _tiles(FA.prune_configs(kind, configs, args, device))
+    assert kept == fits if fits else len(kept) == 1 and kept[0] in listed
+
+
+# The spilling configs the inspection found on the H100 target (bf16): (kernel, head dim, config).
 ISSUE_SPILLS = [
     ("fwd", 128, (128, 64, 4, 3)),
     ("dkdv", 128, (64, 128, 8, 2)),
@@ -289,63 +264,51 @@ ISSUE_SPILLS = [
 @pytest.mark.parametrize("kind,d,config", ISSUE_SPILLS)
 @pytest.mark.parametrize("loads", ["tma", "ptr"])
 def test_issue_spills_are_not_timed_on_sm90(kind, d, config, loads):
-    """Each is either gone from the tuning candidates or dropped by the pruner on sm_90."""
+    """Each is either gone from the tuning candidates or not listed for its head width on sm_90."""
     configs = FA._tuning_configs(kind, loads == "tma")
-    args = _prune_args(kind, "bf16", d, d, True, loads)
-    kept = FA.prune_configs(kind, configs, args, 90, aot.SM90.smem_per_block)
-    as_tuple = lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
-    assert config not in [as_tuple(c) for c in kept]
+    kept = FA.prune_configs(kind, configs, _prune_args(kind, torch.bfloat16, d, d, loads), aot.SM90.limits)
+    assert config not in _tiles(kept)
 
 
-def _rows_everywhere(kind, dtype, d, loads, cfg):
-    """The rows of every checked-in table for this config at head width d (causal)."""
-    key = resource_tables.config_key(
-        cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages
-    )
-    case = resource_tables.case_key(d, d, True, loads)
-    return [
-        resource_tables.load_table(c).lookup(FA.KERNEL_NAMES[kind], dtype, case, key)
-        for c in sorted(aot.TARGETS)
+def _row(kernel, config, tiling, ok=True, d=64, listed=True):
+    return {
+        "kernel": kernel, "arch": "sm_90", "config": config, "tiling": tiling, "listed": listed,
+        "d_qk": d, "d_vo": d, "spill_bytes": 0 if ok else 8, "stack_bytes": 0, "launchable": True,
+    }  # fmt: skip
+
+
+def test_candidates_report_lists_what_passes_in_every_case():
+    """A candidate passes its class only if every case of it compiled clean; the report writes the
+    passing ones as the kernels' lists do, in the order they were compiled."""
+    a = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 4}
+    b = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    lse = {"BLOCK_V": 2048, "num_warps": 8, "num_stages": 3}
+    rows = [
+        _row("attn_fwd", "64x32-w4-s4", a, d=128),
+        _row("attn_fwd", "128x64-w8-s3", b, d=128),
+        _row("attn_fwd", "128x64-w8-s3", b, ok=False, d=96, listed=False),  # the same class: 128
+        _row("attn_fwd", "128x64-w8-s3", b, d=64),
+        _row("lce_lse", "2048-w8-s3", lse),
+        _row("ln_fwd", "4x1024-w8-s3", {"BLOCK_M": 4, "BLOCK_N": 1024, "num_warps": 8, "num_stages": 3}),
+    ]
+    lines = candidates.report(rows).splitlines()[1:]
+    assert lines == [
+        "  attn_fwd head width 128 sm_90: [(64, 32, 4, 4)]",
+        "  attn_fwd head width <= 64 sm_90: [(128, 64, 8, 3)]",
+        '  lce_lse 16-bit sm_90: [{"BLOCK_V": 2048, "num_warps": 8, "num_stages": 3}]',
     ]
 
 
-@pytest.mark.parametrize("kind", ["fwd", "dkdv", "dq"])
-@pytest.mark.parametrize("d", [64, 128, 256])
-def test_gpu_without_a_table_keeps_what_fits_on_every_measured_target(kind, d):
-    """sm_89 (no table, 99 KiB per CTA): a config is kept only if it fits in every table and its
-    largest measured shared memory fits the device."""
-    configs = FA._tuning_configs(kind, False)
-    args = _prune_args(kind, "bf16", d, d, True, "ptr")
-    expect = []
-    for c in configs:
-        rows = _rows_everywhere(kind, "bf16", d, "ptr", c)
-        if all(m.fits for m in rows) and max(m.smem_bytes for m in rows) <= 99 * 1024:
-            expect.append(c)
-    kept = FA.prune_configs(kind, configs, args, 89, 99 * 1024)
-    assert kept == expect if expect else len(kept) == 1  # nothing fits: the last resort alone
-
-
-@pytest.mark.parametrize("kind", ["fwd", "dkdv", "dq"])
-def test_tables_of_another_triton_are_not_trusted_as_exact(monkeypatch, kind):
-    configs = FA._tuning_configs(kind, True)
-    args = _prune_args(kind, "bf16", 128, 128, True, "tma")
-    assert FA.measured(kind, args, configs[0], 90) is not None
-    monkeypatch.setattr(triton, "__version__", "0.0.0")
-    assert FA.measured(kind, args, configs[0], 90) is None
-    for c in FA.prune_configs(kind, configs, args, 90, aot.SM90.smem_per_block):
-        assert all(m.fits for m in _rows_everywhere(kind, "bf16", 128, "tma", c) if m is not None), c
-
-
-def test_nothing_measured_uses_the_tile_estimate():
-    """fp32 (never tabled) and a head-width pair no table has fall back to `_estimate_fits`."""
-    configs = FA._tuning_configs("fwd", False)
-    for dtype, d_qk, d_vo in ((torch.float32, 64, 64), (torch.float16, 32, 256)):
-        args = {"Q": _Meta(dtype), "T_BUCKET": 4096, "CAUSAL": True, **FA._head_meta(d_qk, d_vo, dtype)}
-        assert FA.measured_anywhere("fwd", args, configs[0]) == []
-        elem = torch.empty((), dtype=dtype).element_size()
-        pool = [c for c in configs if elem == 2 or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 32]
-        expect = [c for c in pool if FA._estimate_fits("fwd", c, args, elem, aot.SM90.smem_per_block)]
-        assert FA.prune_configs("fwd", configs, args, 90, aot.SM90.smem_per_block) == expect
+def test_wider_sets_start_with_every_listed_candidate():
+    """--candidates compiles the lists themselves, then their neighbours."""
+    for kind, name in FA.KERNEL_NAMES.items():
+        launch = runtime.KernelLaunch(name, FA._attn_fwd_kernel, (1,), (), {})
+        assert _tiles(candidates.wider_set(launch, "bf16"))[: len(FA.CONFIGS[kind])] == FA.CONFIGS[kind]
+    for name in LCE.KERNEL_NAMES:
+        launch = runtime.KernelLaunch(name, None, (1,), (), {})
+        wider = [c.all_kwargs() for c in candidates.wider_set(launch, "fp16")]
+        listed = [runtime.config(t).all_kwargs() for t in LCE.CONFIGS["16-bit"][name]]
+        assert wider[: len(listed)] == listed, name
 
 
 # ----------------------------------------------------------------------------------------------

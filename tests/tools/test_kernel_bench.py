@@ -1,5 +1,6 @@
-"""The benchmark CLI runs end to end (smoke grid; on CPU through the Triton interpreter), and the
-pieces a reader relies on to check the issue's targets compute what they say.
+"""The kernel benchmarks run end to end (`python -m tools.bench kernels`, `layer_norm`, `ce`: smoke
+grids; on CPU through the Triton interpreter), and the pieces a reader relies on to check the
+issue's targets compute what they say.
 
 No timing is asserted: timings belong in the benchmark's output, never in pass/fail tests.
 """
@@ -15,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.bench.attention import OPS, _flops, _time_op
-from kernels.bench.report import format_targets, peak_hbm_bytes_per_s
+from tools.bench.attention import OPS, _flops, _time_op
+from tools.bench.report import format_targets, peak_hbm_bytes_per_s
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,7 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def test_bench_smoke_runs_and_prints_ratios(tmp_path):
     csv_path = tmp_path / "bench.csv"
     proc = subprocess.run(
-        [sys.executable, "-m", "kernels.bench", "--smoke", "--csv", str(csv_path)],
+        [sys.executable, "-m", "tools.bench", "kernels", "--smoke", "--csv", str(csv_path)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -42,8 +43,7 @@ def test_bench_smoke_runs_and_prints_ratios(tmp_path):
         rows = list(reader)
     ops = {row["op"] for row in rows}
     assert {"layer_norm fwd", "layer_norm fwd+bwd"} <= ops, out
-    if (REPO_ROOT / "kernels" / "bench" / "attention.py").exists():
-        assert {"attention fwd", "attention bwd", "attention fwd+bwd"} <= ops, out
+    assert {"attention fwd", "attention bwd", "attention fwd+bwd"} <= ops, out
     for row in rows:
         assert math.isfinite(float(row["ratio"])), row
         if row["op"].startswith("attention"):
@@ -163,8 +163,8 @@ def test_targets_without_rows_or_verdicts():
 
 def test_full_grids_cover_gpt2_shapes():
     """Issue #12: GPT-2's causal attention (d = 64, T = 1024) and its layer-norm widths are benched."""
-    from kernels.bench.attention import _shapes
-    from kernels.bench.layer_norm import LN_WIDTHS
+    from tools.bench.attention import _shapes
+    from tools.bench.layer_norm import LN_WIDTHS
 
     shapes = _shapes("cuda", smoke=False)  # the list only; nothing runs
     assert (16, 12, 1024, 64) in shapes and (16, 25, 1024, 64) in shapes
@@ -172,7 +172,7 @@ def test_full_grids_cover_gpt2_shapes():
 
 
 def _gpt2_lines(rows: list[dict], verdicts: bool = True) -> dict[str, str]:
-    from kernels.bench.report import GPT2_TARGETS
+    from tools.bench.report import GPT2_TARGETS
 
     text = format_targets(rows, verdicts, GPT2_TARGETS, "issue #12, GPT-2 shapes")
     lines = text.splitlines()
@@ -209,14 +209,14 @@ def test_gpt2_targets_without_verdicts_or_rows():
 
 
 def test_bench_ce_runs_each_variant_in_its_own_process():
-    """`python -m kernels.bench ce` at small shapes: full and chunked (fused too on CUDA) and torch's
+    """`python -m tools.bench ce` at small shapes: full and chunked (fused too on CUDA) and torch's
     F.linear_cross_entropy with each chunking option give the same loss, each with its peak
     memory, time and ratios against full, and the target line."""
     proc = subprocess.run(
         [
             sys.executable,
             "-m",
-            "kernels.bench",
+            "tools.bench",
             "ce",
             "--n",
             "700",

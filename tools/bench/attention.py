@@ -1,9 +1,9 @@
 """Attention benchmark: our FlashAttention kernels against torch SDPA, measured in the same run.
 
-    python -m kernels.bench.attention [--smoke] [--dtype bf16|fp16|fp32]
+    python -m tools.bench attention [--smoke] [--dtype bf16|fp16|fp32]
 
-`python -m kernels.bench` (kernels/bench/__main__.py) calls `bench_attention` and prints the
-combined table. For every shape and both masks there are three ops, each timed for ours and for
+`python -m tools.bench kernels` (tools/bench/kernel_table.py) calls `bench_attention` and prints
+the combined table. For every shape and both masks there are three ops, each timed for ours and for
 every torch `F.scaled_dot_product_attention` backend that runs for the shape (flash, cuDNN
 where this torch has it, memory-efficient, math; one that raises, e.g. out of memory or
 unsupported dtype, is skipped), one row per backend with its TFLOP/s and ratio = ours / that
@@ -20,7 +20,7 @@ FLOPs (docs/DESIGN.md "Performance"): forward 4*B*H*T*T*d, half when causal; bac
 forward+backward 3.5x. The same FLOPs are credited to the baseline, so the ratio is the inverse
 ratio of times. The issue's H100 bf16 targets read straight off the rows with d=128, causal=True,
 T >= 4096 and baseline sdpa-flash: "attention fwd" ratio >= 1.3 and "attention bwd" ratio >= 1.2
-(`kernels.bench` also prints the worst ratio over those rows).
+(`tools.bench kernels` also prints the worst ratio over those rows).
 
 Full grid (GPU): GPT-2's own shapes first (GPT2_SHAPES: B = 16, T = 1024, d = 64, 12 and 25
 heads), then d in {64, 128}, T in {1024, ..., 16384}; B = max(1, 16384 // T) keeps ~16k tokens
@@ -32,24 +32,24 @@ run through the Triton interpreter (fp32 only; the timings only prove the code p
 from __future__ import annotations
 
 import math
-import os
 import statistics
-import sys
 import time
 import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernels.flash_attention import _INTERPRET, flash_attention
+from kernels import runtime
+from kernels.flash_attention import flash_attention
 
 FULL_HEAD_DIMS = (64, 128)
 FULL_SEQ_LENS = (1024, 2048, 4096, 8192, 16384)
 TOKENS_PER_STEP = 16384  # B * T on GPU
 MODEL_WIDTH = 2048  # H * d
 # GPT-2's own attention: 12 heads of 64 (124M) and 25 heads of 64 (1558M) over its 1024-token
-# context, 16 sequences per step. Issue #12's GPU targets read these rows (kernels/bench/report.py).
+# context, 16 sequences per step. Issue #12's GPU targets read these rows (tools/bench/report.py).
 GPT2_SHAPES = ((16, 12, 1024, 64), (16, 25, 1024, 64))  # (B, H, T, d)
 SMOKE_GPU = (2, 4, 256, 64)  # (B, H, T, d)
 SMOKE_CPU = (1, 2, 64, 32)
@@ -57,7 +57,6 @@ SMOKE_CPU = (1, 2, 64, 32)
 
 def _sdpa_backends() -> list[tuple[str, object]]:
     """(name, SDPBackend) for the backends this torch has, fastest-first by reputation."""
-    from torch.nn.attention import SDPBackend
 
     names = [
         ("sdpa-flash", "FLASH_ATTENTION"),
@@ -75,7 +74,7 @@ def _device_name(device: str) -> str:
 def _time_ms(fn: Callable[[], object], device: str) -> float:
     """Median milliseconds per call: triton's do_bench on GPU, a short perf_counter loop on CPU."""
     if device.startswith("cuda"):
-        import triton.testing
+        import triton.testing  # GPU timings only: its benchmarking helpers are CUDA's
 
         return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
     fn()  # warm-up: the interpreter prepares the kernel on its first call
@@ -129,10 +128,10 @@ def bench_attention(device: str, dtype: torch.dtype, smoke: bool) -> list[dict]:
     interpreter cannot multiply bf16.
     """
     if not device.startswith("cuda"):
-        if not _INTERPRET:
+        if not runtime.interpreting():
             raise RuntimeError(
-                "bench_attention on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 before "
-                "triton is imported (e.g. TRITON_INTERPRET=1 python -m kernels.bench.attention)"
+                "bench_attention on CPU needs the Triton interpreter, selected before triton is "
+                "imported (`python -m tools.bench attention` does)"
             )
         dtype = torch.float32
     rows = []
@@ -231,7 +230,6 @@ def _time_op(
 def _sdpa_fns(backend, q, k, v, do, causal: bool) -> tuple[Callable, Callable]:
     """Forward and forward+backward closures pinned to one SDPA backend (the backward kernel is
     the one chosen when the forward built the graph)."""
-    from torch.nn.attention import sdpa_kernel
 
     def fwd():
         with sdpa_kernel(backend):
@@ -246,40 +244,3 @@ def _sdpa_fns(backend, q, k, v, do, causal: bool) -> tuple[Callable, Callable]:
 def _release(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        prog="python -m kernels.bench.attention", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("--smoke", action="store_true", help="one tiny shape (always on without CUDA)")
-    parser.add_argument(
-        "--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: bf16 on CUDA"
-    )
-    args = parser.parse_args(argv)
-
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu and not _INTERPRET:
-        # The interpreter must be chosen before triton is imported, and this module imported
-        # kernels.flash_attention (and so triton) before this ran: start again with the switch set.
-        os.environ["TRITON_INTERPRET"] = "1"
-        sys.stdout.flush()
-        os.execv(sys.executable, [sys.executable, "-m", "kernels.bench.attention", *sys.argv[1:]])
-    device = "cuda" if on_gpu else "cpu"
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
-        args.dtype or ("bf16" if on_gpu else "fp32")
-    ]
-    print(f"device: {_device_name(device)}; ratio = ours / SDPA backend throughput (> 1: ours faster)")
-    for row in bench_attention(device, dtype, smoke=args.smoke or not on_gpu):
-        print(
-            f"{row['op']:<18} causal={row['causal']!s:<5} B={row['B']:<3} H={row['H']:<3} T={row['T']:<6} "
-            f"d={row['d']:<4} {row['dtype']:<9} {row['ms']:9.3f} ms {row['tflops']:8.2f} TFLOP/s  "
-            f"{row['baseline']:<15} {row['baseline_tflops']:8.2f} TFLOP/s  ratio {row['ratio']:.3f}"
-        )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

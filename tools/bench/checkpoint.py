@@ -1,7 +1,7 @@
 """Checkpoint benchmark: how long a save stops the training loop, asynchronous against synchronous.
 
-    python -m lmsys.bench checkpoint                         # 2 ranks, ZeRO-2 and ZeRO-3, CPU
-    python -m lmsys.bench checkpoint stages=3 saves=6 model.n_layers=12
+    python -m tools.bench checkpoint                         # 2 ranks, ZeRO-2 and ZeRO-3, CPU
+    python -m tools.bench checkpoint stages=3 saves=6 model.n_layers=12
 
 For each ZeRO stage, the real training command runs twice under torchrun on `nproc` ranks, the same
 model, data and steps, a checkpoint every `interval` steps: once with trainer.async_save=true, once
@@ -19,7 +19,7 @@ for the CPU (on a GPU it competes only for host memory bandwidth).
 
 The model (d_model 512, 16 layers, vocabulary 2048: 26.3M parameters) is sized so that a
 checkpoint holds >= 300 MB at either stage (fp32: weights, master weights and Adam's two moments).
-Data: synthetic random tokens (lmsys.bench.train's), which the timing does not depend on.
+Data: synthetic random tokens (tools.bench.train's), which the timing does not depend on.
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from lmsys.bench.train import write_synthetic_data
 from lmsys.cli import Option, parse_options, run_cli
 from lmsys.core.errors import UsageError
 from lmsys.engine.rundir import read_metrics
+from tools.bench.train import write_synthetic_data
 
-PROG = "lmsys-bench checkpoint"
+PROG = "tools.bench checkpoint"
 OPTIONS = [
     Option("stages", "str", "2,3", "ZeRO stages to measure, comma-separated"),
     Option("saves", "int", 5, "timed saves per run (one more, the first, is the warm-up)"),
@@ -117,7 +117,7 @@ def run(opts: dict[str, Any], extra: list[str]) -> list[dict[str, Any]]:
     if opts["interval"] is None or opts["interval"] < 1:
         raise UsageError(f"interval={opts['interval']} must be >= 1")
     results = []
-    with tempfile.TemporaryDirectory(prefix="lmsys-bench-ckpt-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="tools-bench-ckpt-") as scratch:
         root = Path(opts["keep"]) if opts["keep"] else Path(scratch)
         data = write_synthetic_data(Path(scratch) / "data", VOCAB, train_tokens=200_000)
         for stage in stages:

@@ -1,17 +1,18 @@
 """Static inspection of every kernel for A100 (sm_80) and H100 (sm_90), on a machine without a GPU.
 
-    python -m kernels.inspect [--arch 80,90] [--dtype bf16,fp16] [--json FILE] [--dump DIR]
-                              [--head-dims 64,128,64/128] [--widths 768,1600] [--masks causal,full]
-                              [--loads auto,pointers] [--lce-widths 768,1600]
-                              [--lce-variants train,train-bias,eval] [--jobs N] [--update-table]
+    python -m tools.inspect [--arch 80,90] [--dtype bf16,fp16] [--json FILE] [--dump DIR]
+                            [--head-dims 64,128,64/128] [--widths 768,1600] [--masks causal,full]
+                            [--loads auto,pointers] [--lce-widths 768,1600]
+                            [--lce-variants train,train-bias,eval] [--jobs N] [--candidates]
 
 For every kernel (attention forward, backward preprocess, dK/dV and dQ; layer-norm forward, forward
 with residual, backward, backward with the residual gradient, and the row sums of wide backward
 rows; the fused linear cross-entropy's logits, log-sum-exp, dh and dW kernels), every head-width
 case of the model family, every layer-norm width of the presets plus 2048 ... 16384, GPT-2's
-hidden widths for the loss, and every autotune config the pruner keeps for the target, the kernel is
-compiled exactly as a launch would compile it on that GPU (the launchers' own `KernelLaunch`
-records, bound by Triton's JIT binder), and one row reports:
+hidden widths for the loss, and every listed tiling the runtime keeps for the target
+(`KernelLaunch.kept`: the candidates of the head width and GPU generation that fit its shared
+memory), the kernel is compiled exactly as a launch would compile it on that GPU (the launchers'
+own `KernelLaunch` records, bound by Triton's JIT binder), and one row reports:
 
     regs        registers per thread (ptxas -v)
     spill       spill stores + loads in bytes per thread (ptxas -v); must be 0
@@ -29,10 +30,12 @@ records, bound by Triton's JIT binder), and one row reports:
                 CTAs per SM). Little's law asks for about peak bandwidth x latency / SMs:
                 15 KiB at 3.35 TB/s and 600 ns on an H100, 11 KiB on an A100
 
-Exit status 1 when a kept config spills, cannot launch or fails to compile. `--dump DIR` writes
+Exit status 1 when a listed config spills, cannot launch or fails to compile. `--dump DIR` writes
 each cubin as DIR/<kernel>-<arch>-<dtype>-<case>-<config>.cubin and the JSON names it per row.
-`--update-table` compiles every candidate config (not only the kept ones) and rewrites the
-pruners' tables `kernels/targets/sm_XX.json` for the installed Triton.
+`--candidates` compiles a wider set of tilings (tools/inspect/candidates.py) for every case as
+well, and prints, per kernel, head-width class and target, those that compile without spilling
+and launch in every case of the class: what a developer pastes into the kernels' lists. It still
+fails on a listed config that does not.
 
 Shapes: attention at B = 2, H = 4, T = 1024 (GPT-2's context) in the model's layout (q, k, v
 are (B, T, H, d) projections viewed as (B, H, T, d)), softmax scale 1/sqrt(d_qk); layer norm over
@@ -62,9 +65,11 @@ from pathlib import Path
 import torch
 import triton
 
-from kernels import resource_tables
-from kernels.inspect import aot
-from kernels.launch import KernelLaunch
+from kernels import runtime
+from kernels.runtime import KernelLaunch
+from lmsys.cli import run_cli
+from lmsys.core.errors import UsageError
+from tools.inspect import aot, candidates
 
 # The modules, by import_module: `kernels.flash_attention` / `kernels.layer_norm` the attributes
 # may be the public functions (see kernels/__init__.py).
@@ -72,6 +77,7 @@ fa = importlib.import_module("kernels.flash_attention")
 ln = importlib.import_module("kernels.layer_norm")
 lce = importlib.import_module("kernels.linear_cross_entropy")
 
+PROG = "tools.inspect"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Head widths of the model family: tiny (32), GPT-2 and the seeds (64), the powers of two around
 # them, and d_qk != d_vo both ways (seed_compact sets them independently).
@@ -88,13 +94,6 @@ LCE_TOKENS = 8192
 LCE_VOCAB = 50257
 LCE_WIDTHS = (768, 1600)
 LCE_VARIANTS = {"train": (False, True), "train-bias": (True, True), "eval": (False, False)}  # (bias, grads)
-LCE_BLOCKS = {
-    "lce_fwd": ("BLOCK_M", "BLOCK_V", "BLOCK_K"),
-    "lce_lse": ("BLOCK_V",),
-    "lce_bwd_dh": ("BLOCK_M", "BLOCK_D", "BLOCK_V"),
-    "lce_bwd_dw": ("BLOCK_V", "BLOCK_D", "BLOCK_M"),
-}
-TUNED_KERNELS = tuple(fa.KERNEL_NAMES.values())
 KERNEL_ORDER = (
     "attn_fwd", "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq",
     "ln_fwd", "ln_fwd_residual", "ln_bwd_row_sums", "ln_bwd", "ln_bwd_residual",
@@ -173,7 +172,7 @@ def lce_launches(case: Case) -> list[KernelLaunch]:
     h = meta((LCE_TOKENS, d))[:c]  # (C, D): the first chunk of the tokens
     weight = meta((v, d))
     bias = meta((v,)) if case.bias else None
-    buffers = lce.chunk_buffers(c, d, v, dtype, "meta", True, case.grads, aot.TARGETS[case.arch].sm_count)
+    buffers = lce.chunk_buffers(c, d, v, dtype, "meta", True, case.grads, aot.TARGETS[case.arch].limits)
     dw = meta((v, d), torch.float32) if case.grads else None
     db = meta((v,), torch.float32) if case.grads and case.bias else None
     return lce.chunk_launches(
@@ -189,37 +188,28 @@ def case_launches(case: Case) -> list[KernelLaunch]:
 
 
 def case_name(case: Case, launch: KernelLaunch) -> str:
-    """The shape part of a row's key: the resource tables' case key for attention."""
+    """The shape part of a row's key, e.g. "dqk64-dvo64-causal-tma" for attention."""
     if launch.name == "attn_bwd_preprocess":
         return f"dvo{case.d_vo}"
     if case.family == "attn":
         loads = "tma" if any(launch.kwargs.get(f) for f in ("KV_TMA", "QDO_TMA")) else "ptr"
-        return resource_tables.case_key(case.d_qk, case.d_vo, case.causal, loads)
+        return f"dqk{case.d_qk}-dvo{case.d_vo}-{'causal' if case.causal else 'full'}-{loads}"
     if case.family == "lce":
         variant = ("-bias" if case.bias else "") + ("" if case.grads else "-eval")
         return f"d{case.width}-v{LCE_VOCAB}{variant}"
     return f"n{case.width}"
 
 
-def config_name(launch: KernelLaunch, config: triton.Config | None) -> str:
-    kw = {**launch.kwargs, **(config.all_kwargs() if config is not None else {})}
-    if launch.name in LCE_BLOCKS:  # output rows x output columns x reduction step (lse: columns)
-        blocks = "x".join(str(kw[k]) for k in LCE_BLOCKS[launch.name])
-        stages = f"-s{kw['num_stages']}" if "num_stages" in kw else ""
-        return f"{blocks}-w{kw.get('num_warps', 4)}{stages}"
-    if launch.name.startswith("attn_") and "BLOCK_N" in kw:
-        return resource_tables.config_key(
-            kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw.get("num_stages", 3)
-        )
-    if "BLOCK_N" in kw:
-        return f"{kw['BLOCK_M']}x{kw['BLOCK_N']}-w{kw.get('num_warps', 4)}"
-    return f"{kw['BLOCK_M']}-w{kw.get('num_warps', 4)}"
+def config_name(config: triton.Config) -> str:
+    """'128x64-w8-s3': the block sizes in the kernel's order (attention: BLOCK_M x BLOCK_N; the
+    loss: output rows x output columns x reduction step), warps, pipeline stages."""
+    blocks = "x".join(str(v) for v in config.kwargs.values())
+    return f"{blocks}-w{config.num_warps}-s{config.num_stages}"
 
 
-def config_tuple(config: triton.Config | None) -> tuple | None:
-    if config is None:
-        return None
-    return (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
+def tiling(config: triton.Config) -> tuple[tuple[str, int], ...]:
+    """A config as plain items, for a worker process: its blocks, warps and stages."""
+    return (*config.kwargs.items(), ("num_warps", config.num_warps), ("num_stages", config.num_stages))
 
 
 def grid_ctas(launch: KernelLaunch) -> int | None:
@@ -236,28 +226,23 @@ def grid_ctas(launch: KernelLaunch) -> int | None:
 class Task:
     case: Case
     kernel: str  # launch name within the case
-    config: tuple[int, int, int, int] | None  # (BLOCK_M, BLOCK_N, warps, stages); None: not tuned
+    config: tuple[tuple[str, int], ...]  # the tiling: `tiling(config)`
+    listed: bool  # the runtime keeps it for this launch on the target (else a wider candidate)
     dump_dir: str | None
 
 
 def run_task(task: Task) -> dict:
     launch = next(lc for lc in case_launches(task.case) if lc.name == task.kernel)
-    config = None
-    if task.config is not None:
-        bm, bn, warps, stages = task.config
-        config = next(
-            c
-            for c in launch.configs
-            if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
-            == (bm, bn, warps, stages)
-        )
+    config = runtime.config(dict(task.config))
     target = aot.TARGETS[task.case.arch]
     row = {
         "kernel": launch.name,
         "arch": target.name,
         "dtype": task.case.dtype,
         "case": case_name(task.case, launch),
-        "config": config_name(launch, config),
+        "config": config_name(config),
+        "tiling": dict(task.config),
+        "listed": task.listed,
     }
     if task.case.family == "attn":
         same = task.case.d_qk == task.case.d_vo
@@ -284,7 +269,7 @@ def run_task(task: Task) -> dict:
     in_flight = None
     if task.case.family == "ln" and analysis.loop_ldg_bytes is not None:
         # Lanes of the padded columns (BLOCK_N > N) are masked off and fetch nothing.
-        useful = min(1.0, task.case.width / launch.kwargs["BLOCK_N"])
+        useful = min(1.0, task.case.width / config.kwargs["BLOCK_N"])
         in_flight = round(analysis.loop_ldg_bytes * useful) * resident
     cubin_path = None
     if task.dump_dir is not None:
@@ -352,34 +337,23 @@ def build_cases(args: argparse.Namespace) -> list[Case]:
     return cases
 
 
-def build_tasks(cases: list[Case], all_configs: bool, dump_dir: str | None) -> tuple[list[Task], dict]:
-    """Compilation tasks (deduplicated: the preprocess does not depend on the mask) and, per
-    tuned row key, the launch and config, to decide later which configs the pruner keeps."""
-    tasks, seen, tuned = [], set(), {}
+def build_tasks(cases: list[Case], wider: bool, dump_dir: str | None) -> list[Task]:
+    """Compilation tasks, deduplicated (the preprocess does not depend on the mask): the tilings the
+    runtime keeps for each launch on its target, and with `wider` the candidates mode's set."""
+    tasks, seen = [], set()
     for case in cases:
         target = aot.TARGETS[case.arch]
         for launch in case_launches(case):
-            if launch.configs:
-                candidates = list(launch.configs)
-                if not all_configs:
-                    candidates = launch.prune(candidates, case.arch, target.smem_per_block)
-            else:
-                candidates = [None]
-            for config in candidates:
-                key = (
-                    launch.name,
-                    target.name,
-                    case.dtype,
-                    case_name(case, launch),
-                    config_name(launch, config),
-                )
+            kept = launch.kept(target.limits)
+            configs = [*kept, *(candidates.wider_set(launch, case.dtype) if wider else [])]
+            listed = {config_name(c) for c in kept}
+            for config in configs:
+                key = (launch.name, target.name, case.dtype, case_name(case, launch), config_name(config))
                 if key in seen:
                     continue
                 seen.add(key)
-                tasks.append(Task(case, launch.name, config_tuple(config), dump_dir))
-                if config is not None:
-                    tuned[key] = (launch, config)
-    return tasks, tuned
+                tasks.append(Task(case, launch.name, tiling(config), config_name(config) in listed, dump_dir))
+    return tasks
 
 
 def row_key(row: dict) -> tuple[str, str, str, str, str]:
@@ -408,85 +382,11 @@ def run_tasks(tasks: list[Task], jobs: int) -> list[dict]:
     return rows
 
 
-def _table_row(row: dict) -> dict:
-    return {
-        k: row[k] for k in ("kernel", "dtype", "case", "config", "registers", "spill_bytes", "smem_bytes")
-    } | {"launchable": row["launchable"]}
-
-
-def update_command(args: argparse.Namespace) -> str:
-    """The command that regenerates the tables, as they record it (output paths left out)."""
-    parts = ["python -m kernels.inspect --update-table"]
-    if args.arch != sorted(aot.TARGETS):
-        parts.append("--arch " + ",".join(map(str, args.arch)))
-    if args.dtype != list(DTYPES):
-        parts.append("--dtype " + ",".join(args.dtype))
-    if args.head_dims != list(HEAD_DIMS):
-        parts.append("--head-dims " + ",".join(f"{d_qk}/{d_vo}" for d_qk, d_vo in args.head_dims))
-    if args.masks != list(MASKS):
-        parts.append("--masks " + ",".join(args.masks))
-    if args.loads != list(LOADS):
-        parts.append("--loads " + ",".join(args.loads))
-    return " ".join(parts)
-
-
-def write_tables(rows: list[dict], archs: list[int], command: str) -> list[Path]:
-    """Rewrite kernels/targets/sm_XX.json from the measured rows of the tuned kernels. Cases not
-    measured in this run (another dtype, head width or mask) keep their rows when the table comes
-    from the same Triton."""
-    written = []
-    for arch in archs:
-        target = aot.TARGETS[arch]
-        measured = [
-            r for r in rows if r["arch"] == target.name and r["kernel"] in TUNED_KERNELS and "error" not in r
-        ]
-        fresh = {(r["kernel"], r["dtype"], r["case"]) for r in measured}
-        path = resource_tables.table_path(arch)
-        kept = []
-        if path.is_file():
-            old = json.loads(path.read_text())
-            if old.get("triton_version") == triton.__version__:
-                kept = [r for r in old["rows"] if (r["kernel"], r["dtype"], r["case"]) not in fresh]
-        table_rows = sorted(
-            kept + [_table_row(r) for r in measured], key=lambda r: tuple(map(str, r.values()))
-        )
-        data = {
-            "target": target.name,
-            "gpu": target.gpu,
-            "triton_version": triton.__version__,
-            "generated": datetime.date.today().isoformat(),
-            "command": command,
-            "rows": table_rows,
-        }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=1) + "\n")
-        written.append(path)
-    resource_tables.load_table.cache_clear()
-    return written
-
-
-def mark_kept(rows: list[dict], tuned: dict, all_configs: bool) -> None:
-    """rows[i]["kept"]: whether the pruner keeps the config on its target (always, when only kept
-    configs were compiled; with --update-table, as decided by the table just written)."""
-    if not all_configs:
-        for row in rows:
-            row["kept"] = True
-        return
-    by_launch: dict[int, tuple[KernelLaunch, str]] = {id(lc): (lc, key[1]) for key, (lc, _) in tuned.items()}
-    kept_keys = set()
-    for launch, arch_name in by_launch.values():
-        target = next(t for t in aot.TARGETS.values() if t.name == arch_name)
-        kept = {id(c) for c in launch.prune(list(launch.configs), target.capability, target.smem_per_block)}
-        kept_keys |= {key for key, (lc, cfg) in tuned.items() if lc is launch and id(cfg) in kept}
-    for row in rows:
-        row["kept"] = row["kernel"] not in TUNED_KERNELS or row_key(row) in kept_keys
-
-
 def _kib(value: int | None) -> str:
     return "-" if value is None else f"{value / 1024:.1f}"
 
 
-def format_rows(rows: list[dict], show_kept: bool) -> str:
+def format_rows(rows: list[dict], show_listed: bool) -> str:
     columns = [
         ("kernel", lambda r: r["kernel"]),
         ("arch", lambda r: r["arch"]),
@@ -505,8 +405,8 @@ def format_rows(rows: list[dict], show_kept: bool) -> str:
         ("loop", lambda r: str(r.get("loop_instructions") or "-")),
         ("inflightKB/SM", lambda r: _kib(r.get("in_flight_bytes_per_sm"))),
     ]
-    if show_kept:
-        columns.append(("kept", lambda r: "yes" if r["kept"] else "no"))
+    if show_listed:
+        columns.append(("listed", lambda r: "yes" if r["listed"] else "no"))
     columns.append(("note", lambda r: r.get("error", r.get("problem", ""))[:80]))
     cells = [[fn(r) for _, fn in columns] for r in rows]
     widths = [
@@ -519,27 +419,44 @@ def format_rows(rows: list[dict], show_kept: bool) -> str:
 
 
 def failures(rows: list[dict]) -> list[dict]:
-    """Kept rows that spill, cannot launch or did not compile."""
-    return [
-        r
-        for r in rows
-        if r["kept"] and ("error" in r or r["spill_bytes"] > 0 or r["stack_bytes"] > 0 or not r["launchable"])
-    ]
+    """Listed rows that spill, cannot launch or did not compile."""
+    return [r for r in rows if r["listed"] and not candidates.passes(r)]
+
+
+def _span(values: list) -> str:
+    return f"{min(values)}" if min(values) == max(values) else f"{min(values)}-{max(values)}"
+
+
+def kernel_summary(rows: list[dict]) -> str:
+    """One line per kernel and target over the listed configs that compiled: how many, registers,
+    spill bytes, CTAs per SM and occupancy."""
+    lines = ["per kernel (listed configs): rows, registers, spill bytes, CTAs per SM, occupancy"]
+    order = {name: i for i, name in enumerate(KERNEL_ORDER)}
+    done = [r for r in rows if r["listed"] and "error" not in r]
+    for kernel, arch in sorted({(r["kernel"], r["arch"]) for r in done}, key=lambda k: (k[1], order[k[0]])):
+        group = [r for r in done if (r["kernel"], r["arch"]) == (kernel, arch)]
+        span = lambda key, g=group: _span([r[key] for r in g])
+        occupancy = _span([round(100 * r["occupancy"]) for r in group])
+        lines.append(
+            f"  {kernel:<20} {arch}  {len(group):>3} rows  regs {span('registers'):<8} spill "
+            f"{span('spill_bytes'):<4} CTA/SM {span('ctas_per_sm'):<5} occupancy {occupancy}%"
+        )
+    return "\n".join(lines)
 
 
 def summary(rows: list[dict], seconds: float) -> str:
-    kept = [r for r in rows if r["kept"]]
-    ok = [r for r in kept if "error" not in r]
+    listed = [r for r in rows if r["listed"]]
+    ok = [r for r in listed if "error" not in r]
     lines = [
-        f"{len(rows)} compilations ({len(kept)} kept configs) in {seconds:.0f} s; kept configs: "
+        f"{len(rows)} compilations ({len(listed)} listed configs) in {seconds:.0f} s; listed configs: "
         f"{sum(r['spill_bytes'] > 0 for r in ok)} spilling, {sum(not r['launchable'] for r in ok)} "
-        f"unlaunchable, {len(kept) - len(ok)} failed to compile",
+        f"unlaunchable, {len(listed) - len(ok)} failed to compile",
     ]
-    dropped = [r for r in rows if not r["kept"] and "error" not in r]
-    if dropped:
+    wider = [r for r in rows if not r["listed"]]
+    if wider:
         lines.append(
-            f"configs the pruner drops: {len(dropped)} ({sum(r['spill_bytes'] > 0 for r in dropped)} spill, "
-            f"{sum(not r['launchable'] for r in dropped)} cannot launch)"
+            f"wider candidates: {len(wider)} ({sum(not candidates.passes(r) for r in wider)} spill, cannot "
+            "launch or do not compile)"
         )
     ref = [r for r in ok if (r["kernel"], r["arch"], r["case"], r["config"]) == REFERENCE_LOOP]
     for r in ref:
@@ -573,7 +490,7 @@ def _head_dims(text: str) -> list[tuple[int, int]]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m kernels.inspect", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=_int_list, default=sorted(aot.TARGETS), help="80,90 (default)")
     parser.add_argument(
         "--dtype", type=lambda s: s.split(","), default=list(DTYPES), help="bf16,fp16 (default)"
@@ -608,9 +525,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dump", metavar="DIR", help="write each cubin to DIR")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="compiler processes")
     parser.add_argument(
-        "--update-table",
+        "--candidates",
         action="store_true",
-        help="compile every candidate config and rewrite kernels/targets/sm_XX.json",
+        help="also compile a wider set of tilings and print, per kernel, head-width class and target, "
+        "those that pass in every case (tools/inspect/candidates.py)",
     )
     args = parser.parse_args(argv)
     for arch in args.arch:
@@ -632,12 +550,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return run_cli(PROG, lambda: run(argv))
+
+
+def run(argv: list[str]) -> int:
     args = parse_args(argv)
-    if not isinstance(fa._attn_fwd_kernel, triton.runtime.JITFunction):
-        print("kernels.inspect: the kernels were built for the Triton interpreter; unset TRITON_INTERPRET")
-        return 2
-    command = "python -m kernels.inspect " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(f"kernels.inspect: Triton {triton.__version__}, {datetime.date.today().isoformat()}")
+    if runtime.interpreting():
+        raise UsageError("the kernels were built for the Triton interpreter; run `python -m tools.inspect`")
+    command = f"python -m {PROG} " + " ".join(argv)
+    print(f"{PROG}: Triton {triton.__version__}, {datetime.date.today().isoformat()}")
     print(f"command: {command.strip()}")
     for arch in args.arch:
         t = aot.TARGETS[arch]
@@ -649,13 +571,9 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.dump).mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     cases = build_cases(args)
-    tasks, tuned = build_tasks(cases, args.update_table, args.dump)
+    tasks = build_tasks(cases, args.candidates, args.dump)
     print(f"{len(tasks)} compilations, {args.jobs} at a time", flush=True)
     rows = run_tasks(tasks, args.jobs)
-    if args.update_table:
-        for path in write_tables(rows, args.arch, update_command(args)):
-            print(f"wrote {path}")
-    mark_kept(rows, tuned, args.update_table)
     order = {name: i for i, name in enumerate(KERNEL_ORDER)}
     rows.sort(
         key=lambda r: (
@@ -669,9 +587,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     seconds = time.perf_counter() - start
     print()
-    print(format_rows(rows, show_kept=args.update_table))
+    print(format_rows(rows, show_listed=args.candidates))
     print()
     print(summary(rows, seconds))
+    print(kernel_summary(rows))
+    if args.candidates:
+        print(candidates.report(rows))
     bad = failures(rows)
     if args.json:
         report = {
@@ -684,10 +605,10 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {args.json}")
     if bad:
-        print(f"FAILED: {len(bad)} kept config(s) spill, cannot launch or do not compile:")
+        print(f"FAILED: {len(bad)} listed config(s) spill, cannot launch or do not compile:")
         for r in bad:
             why = r.get("error") or r.get("problem") or f"{r['spill_bytes']} B of spill traffic"
             print(f"  {' '.join(row_key(r))}: {why}")
         return 1
-    print("OK: every kept config compiles without spills and launches")
+    print("OK: every listed config compiles without spills and launches")
     return 0

@@ -1,8 +1,8 @@
 """Time to loss: how many steps and seconds optim=muon needs to reach the validation loss that
 AdamW reaches after its whole run, per seed, as a mean over seeds with a 95% interval.
 
-    python -m lmsys.bench ttl                          # default corpus, tiny preset, 300 steps, seeds 1-3
-    python -m lmsys.bench ttl steps=100 seeds=3 set=trainer.global_batch_tokens=4096
+    python -m tools.bench ttl                          # default corpus, tiny preset, 300 steps, seeds 1-3
+    python -m tools.bench ttl steps=100 seeds=3 set=trainer.global_batch_tokens=4096
 
 One real sweep (`python -m lmsys.train -m optim=adamw,muon trainer.seed=1,...` in one process,
 Hydra's multirun, validation every `eval_every` steps) into `sweep_dir`, summarized with AdamW as
@@ -32,7 +32,7 @@ from lmsys.engine.rundir import read_metrics
 from lmsys.sweep.stats import Spread
 from lmsys.sweep.summary import Job, find_jobs
 
-PROG = "lmsys-bench ttl"
+PROG = "tools.bench ttl"
 
 OPTIONS = [
     Option("steps", "int", 300, "steps of every run (AdamW's whole run; Muon's budget)"),

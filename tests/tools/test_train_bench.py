@@ -1,4 +1,4 @@
-"""Smoke test of `python -m lmsys.bench train`: tiny settings, real DeepSpeed and real plain loop;
+"""Smoke test of `python -m tools.bench train`: tiny settings, real DeepSpeed and real plain loop;
 checks the report (not the timings) and that the benchmark leaves nothing behind."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ TINY = [
 
 def test_bench_train_prints_the_ratio(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "lmsys.bench", "train", "steps=3", "warmup=1", *TINY],
+        [sys.executable, "-m", "tools.bench", "train", "steps=3", "warmup=1", *TINY],
         cwd=tmp_path,
         env=child_env(),
         capture_output=True,
@@ -50,7 +50,7 @@ def test_bench_train_prints_the_ratio(tmp_path):
 
 def test_bench_train_bad_option_is_one_line(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "lmsys.bench", "train", "steps=1", *TINY],
+        [sys.executable, "-m", "tools.bench", "train", "steps=1", *TINY],
         cwd=tmp_path,
         env=child_env(),
         capture_output=True,
@@ -58,15 +58,15 @@ def test_bench_train_bad_option_is_one_line(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "lmsys-bench train: error: steps=1 must be >= 2"
+    assert proc.stderr.strip() == "tools.bench train: error: steps=1 must be >= 2"
 
 
 def test_gpu_path_builds_its_config_and_imports():
     """The CUDA path (gpt2_124m, T=1024, bf16, compile + SDPA) cannot run here; check that its
     configuration composes and its code imports."""
-    from lmsys.bench.train import GPU_DEFAULTS, PlainLoop  # noqa: F401
     from lmsys.core.config import compose
     from lmsys.core.runtime import batch_plan
+    from tools.bench.train import GPU_DEFAULTS, PlainLoop  # noqa: F401
 
     cfg = compose(GPU_DEFAULTS)
     plan = batch_plan(cfg, 1)

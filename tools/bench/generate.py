@@ -3,9 +3,9 @@ tokens/s with the KV cache against without it (one prompt), and a batch of `batc
 generated together (one padded batch, lmsys.generate.generate_batch) against the same prompts
 generated one after another with the cache.
 
-    python -m lmsys.bench generate                       # tiny preset, 16-token prompt, 112 new tokens
-    python -m lmsys.bench generate preset=gpt2_124m new_tokens=256 device=cuda
-    python -m lmsys.bench generate set=max_seq_len=1024 repeats=1   # a longer window: O(T) vs O(T^2)
+    python -m tools.bench generate                       # tiny preset, 16-token prompt, 112 new tokens
+    python -m tools.bench generate preset=gpt2_124m new_tokens=256 device=cuda
+    python -m tools.bench generate set=max_seq_len=1024 repeats=1   # a longer window: O(T) vs O(T^2)
 
 Every run generates greedily from the same random-weight model, so both sides of a row produce
 the same tokens (checked and printed); the ratios are the figures to report (docs/DESIGN.md:
@@ -35,7 +35,7 @@ from lmsys.model.ops import prepare_kernels
 from lmsys.model.transformer import Transformer
 from lmsys.training.metrics import device_name
 
-PROG = "lmsys-bench generate"
+PROG = "tools.bench generate"
 
 OPTIONS = [
     Option("preset", "str", "tiny", "model preset (conf/model/)"),

@@ -14,7 +14,7 @@ from tests.data.conftest import REPO_ROOT, child_env
 
 def test_bench_prepare_smoke(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "lmsys.bench", "prepare", "mb=0.3", "scale=2", "vocab=400", "sample_mb=0.2",
+        [sys.executable, "-m", "tools.bench", "prepare", "mb=0.3", "scale=2", "vocab=400", "sample_mb=0.2",
          f"keep={tmp_path}"],
         cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -30,10 +30,10 @@ def test_bench_prepare_smoke(tmp_path):
 
 def test_bench_prepare_bad_option():
     proc = subprocess.run(
-        [sys.executable, "-m", "lmsys.bench", "prepare", "size=3"],
+        [sys.executable, "-m", "tools.bench", "prepare", "size=3"],
         cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        "lmsys-bench prepare: error: unknown option 'size'; valid options: "
+        "tools.bench prepare: error: unknown option 'size'; valid options: "
         "mb, scale, vocab, workers, sample_mb, keep"
     ]

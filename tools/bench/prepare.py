@@ -1,8 +1,8 @@
 """Preparation benchmark: lmsys-prepare's throughput against single-process SentencePiece, and its
 peak memory for a corpus 1x and `scale`x as large.
 
-    python -m lmsys.bench prepare                      # 16 MB corpus, then 4x (64 MB)
-    python -m lmsys.bench prepare mb=4 scale=2 vocab=512
+    python -m tools.bench prepare                      # 16 MB corpus, then 4x (64 MB)
+    python -m tools.bench prepare mb=4 scale=2 vocab=512
 
 The corpus is the default corpus (Python stdlib docstrings, about 2 MB) repeated up to `mb`
 megabytes, written as .jsonl files of at most 4 MB in a temporary directory. Each size is
@@ -40,7 +40,7 @@ from lmsys.cli import Option, parse_options, run_cli
 from lmsys.core.errors import LmsysError, UsageError
 from lmsys.data.corpus import DefaultCorpus, FileCorpus, module_docstrings
 
-PROG = "lmsys-bench prepare"
+PROG = "tools.bench prepare"
 OPTIONS = [
     Option("mb", "float", 16.0, "corpus size of the 1x run, MB"),
     Option("scale", "int", 4, "size of the memory run, in corpora"),
@@ -220,7 +220,7 @@ def single_process_baseline(corpus: Path, tokenizer: Path) -> dict[str, float]:
 
 
 def run(opts: dict[str, Any]) -> dict[str, Any]:
-    root_ctx = tempfile.TemporaryDirectory(prefix="lmsys-bench-prepare-") if not opts["keep"] else None
+    root_ctx = tempfile.TemporaryDirectory(prefix="tools-bench-prepare-") if not opts["keep"] else None
     root = Path(root_ctx.name if root_ctx else opts["keep"])
     try:
         sizes = [1] + ([opts["scale"]] if opts["scale"] > 1 else [])

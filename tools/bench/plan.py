@@ -1,4 +1,4 @@
-"""The plan against measured runs: `python -m lmsys.bench plan [smoke=true] [steps=5]`.
+"""The plan against measured runs: `python -m tools.bench plan [smoke=true] [steps=5]`.
 
 Runs a grid of real short CPU trainings (`python -m lmsys.train`, `torchrun --nproc_per_node=2`
 for 2 ranks; presets tiny, seed_trax, seed_postln, seed_compact, gpt2_124m shrunk to short
@@ -16,7 +16,7 @@ host_adam=true runs no training: it times offload's host Adam against an in-plac
 (host_adam_report), the premise of the plan's offload time on a GPU.
 
 smoke=true runs three 1-rank rows of the tiny preset (the test's size). Data: a synthetic prepared
-directory per vocabulary (lmsys.bench.train's), so no corpus is needed.
+directory per vocabulary (tools.bench.train's), so no corpus is needed.
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from lmsys.bench.train import write_synthetic_data
 from lmsys.cli import Option, parse_options, run_cli
 from lmsys.core.config import compose
 from lmsys.engine.rundir import read_metrics
 from lmsys.training.devices import cpu_device, cpu_flops, device_spec
 from lmsys.training.planning import cpu_overhead_s, mib, plan_launch
+from tools.bench.train import write_synthetic_data
 
-PROG = "lmsys-bench plan"
+PROG = "tools.bench plan"
 OPTIONS = [
     Option("smoke", "bool", False, "three small 1-rank rows only"),
     Option("held_out", "bool", False, "the held-out rows instead: seed_gpt, a preset in no grid row"),
@@ -305,7 +305,7 @@ def prediction_table() -> str:
 
 
 def replay(path: str) -> list[dict[str, Any]]:
-    """The rows of a saved bench output (its `lmsys-bench plan: {...}` lines) with the memory
+    """The rows of a saved bench output (its `tools.bench plan: {...}` lines) with the memory
     predicted again by the current model: the measurements stay what they were; the step time is
     predicted again from the current non-FLOP model (cpu_overhead_s) and a FLOP rate calibrated on
     the rows, as in a live run."""
@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         if opts["only"]:
             rows = [r for r in rows if opts["only"] in r.name]
         rate = cpu_flops(threads=1, seconds=1.0)
-        with tempfile.TemporaryDirectory(prefix="lmsys-bench-plan-") as scratch:
+        with tempfile.TemporaryDirectory(prefix="tools-bench-plan-") as scratch:
             root = Path(scratch)
             for vocab in sorted({SHRINK[r.preset][0] for r in rows}):
                 write_synthetic_data(root / f"data{vocab}", vocab, 300_000)

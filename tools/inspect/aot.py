@@ -33,6 +33,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
+from kernels.runtime import DeviceLimits
+
 # ptxas, nvdisasm and cuobjdump as shipped inside the triton wheel.
 NVIDIA_TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
@@ -59,6 +61,11 @@ class Target:
     max_blocks_per_sm: int = 32
     max_threads_per_block: int = 1024
     memory_latency_ns: float = 600.0  # unloaded DRAM latency, order of magnitude
+
+    @property
+    def limits(self) -> DeviceLimits:
+        """What a launch may use on this target, as the runtime reads it off a device."""
+        return DeviceLimits(self.capability, self.sm_count, self.smem_per_block, self.max_threads_per_block)
 
     @property
     def gpu_target(self) -> GPUTarget:

@@ -1,39 +1,29 @@
-"""Kernel benchmarks: `python -m kernels.bench [--smoke] [--dtype bf16|fp16|fp32] [--csv PATH]
-[--peak-gbps GB/S]`; `python -m kernels.bench ce ...`: the linear cross-entropy (kernels/bench/ce.py).
+"""The kernel table: `python -m tools.bench kernels [--smoke] [--dtype bf16|fp16|fp32] [--csv PATH]
+[--peak-gbps GB/S]`; `python -m tools.bench attention ...` / `layer_norm ...` run their rows alone.
 
-Prints the device and date, then one row per measurement (the layer norm, kernels/bench/layer_norm.py;
-the attention, kernels/bench/attention.py), and below the table the issue's targets with the
-worst measured value of each (kernels/bench/report.py).
+Prints the device and date, then one row per measurement (the layer norm, tools/bench/layer_norm.py;
+the attention, tools/bench/attention.py), and below the table the issue's targets with the
+worst measured value of each (tools/bench/report.py).
 
 On a CUDA machine the default is the full grid in bf16, timed with triton.testing.do_bench.
 Without CUDA it always runs the smoke grid (tiny shapes, fp32) on CPU tensors through the
-Triton interpreter, timed with a perf_counter loop: the figures mean nothing there, but the code
-path keeps working.
+Triton interpreter (selected by `python -m tools.bench` before triton is imported), timed with a
+perf_counter loop: the figures mean nothing there, but the code path keeps working.
 """
 
 from __future__ import annotations
 
-import os
+import argparse
+import datetime
+import math
 import sys
 
 import torch
 
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    # The interpreter must be chosen before triton is imported. Under `python -m kernels.bench`
-    # the `kernels.bench` package is imported before this module runs; should triton have been
-    # imported by then, the CLI starts again with the switch set. (Merely importing this module
-    # never re-executes the process.)
-    os.environ["TRITON_INTERPRET"] = "1"
-    if "triton" in sys.modules and __name__ == "__main__":
-        sys.stdout.flush()
-        os.execv(sys.executable, [sys.executable, "-m", "kernels.bench", *sys.argv[1:]])
-
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import math  # noqa: E402
-
-from kernels.bench.layer_norm import bench_layer_norm, device_name  # noqa: E402
-from kernels.bench.report import (  # noqa: E402
+from lmsys.cli import run_cli
+from tools.bench.attention import bench_attention
+from tools.bench.layer_norm import bench_layer_norm, device_name
+from tools.bench.report import (
     GPT2_ATTENTION_ANCHORS,
     GPT2_TARGETS,
     format_table,
@@ -42,16 +32,20 @@ from kernels.bench.report import (  # noqa: E402
     write_csv,
 )
 
+PROG = "tools.bench kernels"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["ce"]:  # the linear cross-entropy benchmark, its own command line
-        from kernels.bench.ce import main as bench_ce
+    return run_cli(PROG, lambda: run(argv))
 
-        return bench_ce(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.splitlines()[0])
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--only", choices=["attention", "layer_norm"], default=None, help="one kernel's rows (default: both)"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (always on without CUDA)")
     parser.add_argument(
         "--dtype", choices=list(DTYPES), default=None, help="default: bf16 on CUDA, fp32 on CPU"
@@ -90,12 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"peak HBM: {peak / 1e9:.0f} GB/s ({source})")
     print()
 
-    rows = bench_layer_norm(device, dtype, smoke, peak)
-    try:
-        from kernels.bench.attention import bench_attention
-    except ImportError as e:
-        print(f"attention benchmark unavailable: {e}")
-    else:
+    rows = []
+    if args.only in (None, "layer_norm"):
+        rows += bench_layer_norm(device, dtype, smoke, peak)
+    if args.only in (None, "attention"):
         rows += bench_attention(device, dtype, smoke)
 
     print(format_table(rows))
@@ -109,7 +101,3 @@ def main(argv: list[str] | None = None) -> int:
         write_csv(rows, args.csv)
         print(f"\nwrote {args.csv}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

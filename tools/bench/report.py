@@ -1,4 +1,4 @@
-"""The benchmark's table, CSV and target lines (`python -m kernels.bench`).
+"""The benchmark's table, CSV and target lines (`python -m tools.bench kernels`).
 
 One row per measurement: our kernel's time and throughput next to a baseline measured in the
 same run (F.layer_norm, torch SDPA), and their ratio. ratio = ours / baseline throughput, so
@@ -7,7 +7,7 @@ measured value of each (they apply to the full grid on an H100 in bf16; elsewher
 only show which rows would be read):
 
     causal attention, d=128, T = 4k..16k: forward >= 1.3x and backward >= 1.2x SDPA's flash backend
-        (rows "attention fwd" / "attention bwd", baseline sdpa-flash; see kernels/bench/attention.py)
+        (rows "attention fwd" / "attention bwd", baseline sdpa-flash; see tools/bench/attention.py)
     layer norm forward+backward: >= 90% of peak HBM bandwidth and >= 1.5x F.layer_norm
         (rows "layer_norm fwd+bwd": columns ours_pct_peak_hbm and ratio)
 
@@ -19,7 +19,7 @@ B=16, H=12 and 25, T=1024, d=64, causal; layer-norm widths 768, 1024, 1280, 1600
     layer norm, every row: >= 1.5x F.layer_norm (column ratio)
 
 The device's peak HBM bandwidth, looked up by name in PEAK_HBM_BYTES_PER_S, is what the layer
-norm's % of peak column divides by (kernels/bench/layer_norm.py).
+norm's % of peak column divides by (tools/bench/layer_norm.py).
 """
 
 from __future__ import annotations

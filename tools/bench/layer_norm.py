@@ -1,4 +1,4 @@
-"""The layer-norm rows of `python -m kernels.bench`: our "sqrt_var_eps" affine layer norm
+"""The layer-norm rows of `python -m tools.bench kernels`: our "sqrt_var_eps" affine layer norm
 (kernels.layer_norm, through its custom op) against F.layer_norm, forward and forward+backward.
 
 GB/s and % of peak HBM. GB/s = counted bytes / time; % of peak = that / the device's peak HBM

@@ -1,4 +1,4 @@
-"""The linear cross-entropy benchmark: `python -m kernels.bench ce [--n N --d D --v V] [--repeat R]
+"""The linear cross-entropy benchmark: `python -m tools.bench ce [--n N --d D --v V] [--repeat R]
 [--model]`.
 
 Loss forward + backward at gpt2_124m's shapes (N = 8192 tokens, D = 768, V = 50,257 pieces) for:
@@ -46,6 +46,9 @@ from pathlib import Path
 
 import torch
 
+from lmsys.cli import run_cli
+
+PROG = "tools.bench ce"
 VARIANTS = ("full", "chunked", "fused")
 # torch's F.linear_cross_entropy: variant -> its LinearCrossEntropyOptions keywords (None: options=None)
 TORCH_VARIANTS: dict[str, dict | None] = {
@@ -109,6 +112,8 @@ def _loss_fn(variant: str):
             return torch.nn.functional.linear_cross_entropy(h, w, t, options=options).float()
 
         return torch_op
+    # Each variant runs in a process of its own and imports only what it runs: the fused kernel's
+    # module imports triton, which the torch variants never need.
     if variant == "chunked":
         from kernels.reference import chunked_linear_cross_entropy
 
@@ -146,6 +151,7 @@ def worker_ops(variant: str, n: int, d: int, v: int, repeat: int) -> dict[str, f
 def worker_model(variant: str, out_dir: Path) -> dict[str, float]:
     """gpt2_124m's loss on tokens (4, 1024) with model.loss_impl=variant: peak memory, time, and
     the loss and gradients saved to out_dir for the comparison."""
+    # the model only in this worker: the loss variants' processes measure the loss alone
     from lmsys.core.config import compose
     from lmsys.model.transformer import Transformer
 
@@ -168,10 +174,10 @@ def worker_model(variant: str, out_dir: Path) -> dict[str, float]:
 
 def _run_worker(args: list[str]) -> dict[str, float]:
     proc = subprocess.run(
-        [sys.executable, "-m", "kernels.bench.ce", "--worker", *args], capture_output=True, text=True
+        [sys.executable, "-m", "tools.bench.ce", "--worker", *args], capture_output=True, text=True
     )
     if proc.returncode != 0:
-        raise SystemExit(f"kernels.bench ce: the {args[0]} worker failed:\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"{PROG}: the {args[0]} worker failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -264,7 +270,12 @@ def _compare_model(variant: str, chunked: dict, full: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The benchmark, or with --worker one variant in this process (a JSON line on stdout)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    return run_cli(PROG, lambda: run(argv))
+
+
+def run(argv: list[str]) -> int:
     if argv[:1] == ["--worker"]:
         if argv[1] == "model":
             result = worker_model(argv[2], Path(argv[3]))
@@ -273,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             result = worker_ops(variant, n, d, v, repeat)
         print(json.dumps(result))
         return 0
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench ce", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=8192, help="tokens (default: 8192)")
     parser.add_argument("--d", type=int, default=768, help="hidden width (default: 768)")
     parser.add_argument("--v", type=int, default=50257, help="vocabulary (default: 50,257)")

@@ -1,8 +1,8 @@
 """Training benchmark: lmsys's train loop (DeepSpeed engine) against a plain PyTorch loop.
 
-    python -m lmsys.bench train                                  # CPU: tiny preset, default batch
-    python -m lmsys.bench train steps=20 deepspeed=zero1 trainer.micro_batch_size=4
-    python -m lmsys.bench train                                  # on a GPU: gpt2_124m, T=1024, bf16
+    python -m tools.bench train                                  # CPU: tiny preset, default batch
+    python -m tools.bench train steps=20 deepspeed=zero1 trainer.micro_batch_size=4
+    python -m tools.bench train                                  # on a GPU: gpt2_124m, T=1024, bf16
 
 Both sides run in this one process on the same model (same preset, same seed), the same
 batches (the same TokenLoader order, micro-batches and gradient accumulation), the same
@@ -64,7 +64,7 @@ from lmsys.model.transformer import Transformer
 from lmsys.training.metrics import device_name, device_peak_flops, mfu
 from lmsys.training.trainer import train
 
-PROG = "lmsys-bench train"
+PROG = "tools.bench train"
 OPTIONS = [
     Option("steps", "int", 12, "timed optimizer steps per side"),
     Option("warmup", "int", 2, "untimed steps before them"),
@@ -146,7 +146,7 @@ def write_synthetic_data(directory: Path, vocab_size: int, train_tokens: int, se
         "bos_id": BOS_ID,
         "eos_id": EOS_ID,
         "unk_id": UNK_ID,
-        "origin": "synthetic (lmsys.bench.train)",
+        "origin": "synthetic (tools.bench.train)",
     }
     write_manifest(directory, writers, tokenizer_section, {})
     return directory
@@ -293,7 +293,7 @@ def run(opts: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     steps, warmup = opts["steps"], opts["warmup"]
     if device.type == "cpu":
         torch.set_num_threads(opts["threads"] or 1)
-    with tempfile.TemporaryDirectory(prefix="lmsys-bench-train-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="tools-bench-train-") as tmp:
         cfg = bench_config(opts, overrides, Path(tmp), device)
         prepare_kernels(cfg.model.kernels, device)  # before DeepSpeed imports triton
         plan = batch_plan(cfg, 1)
