@@ -101,7 +101,10 @@ def report(rows: list[dict]) -> str:
         order[group].setdefault(row["config"], row)
         if not passes(row):
             failed[group].add(row["config"])
-    lines = ["candidates that compile without spills and launch in every case of their class:"]
+    lines = [
+        "candidates that compile without spills and launch in every case of their class in this run "
+        "(the kernels' lists need every case: the default --arch, --dtype, --head-dims, --masks, --loads):"
+    ]
     for group in sorted(order):
         kernel, what, arch = group
         good = [_literal(row) for name, row in order[group].items() if name not in failed[group]]

@@ -574,6 +574,7 @@ def run(argv: list[str]) -> int:
     tasks = build_tasks(cases, args.candidates, args.dump)
     print(f"{len(tasks)} compilations, {args.jobs} at a time", flush=True)
     rows = run_tasks(tasks, args.jobs)
+    candidates_report = candidates.report(rows) if args.candidates else None  # in the sets' order
     order = {name: i for i, name in enumerate(KERNEL_ORDER)}
     rows.sort(
         key=lambda r: (
@@ -591,8 +592,8 @@ def run(argv: list[str]) -> int:
     print()
     print(summary(rows, seconds))
     print(kernel_summary(rows))
-    if args.candidates:
-        print(candidates.report(rows))
+    if candidates_report is not None:
+        print(candidates_report)
     bad = failures(rows)
     if args.json:
         report = {
