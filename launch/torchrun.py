@@ -458,11 +458,13 @@ def _patient_signals(elastic_api: Any) -> None:
 
 class _QuietShutdown(logging.Filter):
     """torchrun logs every signal it passes on ("Received SIGTERM death signal, shutting down
-    workers", "Sending process N closing signal SIGTERM"): the workers say what happens, once."""
+    workers", "Sending process N closing signal SIGTERM") and every worker that failed ("failed
+    (exitcode: 2) local_rank: 0 (pid: N) of binary: ..."): the workers say what happens, once,
+    and the launcher's own line names the worker that failed."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return "death signal" not in message and "closing signal" not in message
+        return not any(said in message for said in ("death signal", "closing signal", "failed (exitcode"))
 
 
 def _stopped(code: int, by: str) -> int:

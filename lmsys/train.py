@@ -15,8 +15,10 @@ NaN steps) exits 1.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
+import traceback
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -25,7 +27,7 @@ from omegaconf import DictConfig
 from lmsys.cli import flag_as_override, run_cli
 from lmsys.core.config import CONF_DIR, compose, config_keys, to_config
 from lmsys.core.console import one_line, report_error
-from lmsys.core.errors import EXIT_REQUEUE, LmsysError, Stopped
+from lmsys.core.errors import EXIT_REQUEUE, LmsysError, Stopped, TrainingError
 from lmsys.sweep.multirun import (
     check_multirun,
     in_multirun,
@@ -111,6 +113,26 @@ def die_with_launcher() -> None:
         os._exit(1)
 
 
+def lost_peer(exc: BaseException) -> str | None:
+    """The line of a rank whose collective failed because another rank of the job is gone
+    (killed, crashed): raised inside torch.distributed in a job of several ranks. None for any
+    other error. The launcher's own line names the rank that failed."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return None
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = next(
+        (f for f in reversed(frames) if "torch/distributed/" in f.filename.replace(os.sep, "/")), None
+    )
+    if where is None:
+        return None
+    text = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(str(exc).split()))  # gloo's source location
+    reason = text.split(". ")[0] or type(exc).__name__
+    return (
+        f"rank {os.environ.get('RANK', '0')}: another rank left the job: {where.name} failed "
+        f"({reason}); the launcher's line names the rank that failed"
+    )
+
+
 def _is_plain_run(argv: list[str]) -> bool:
     """Only overrides (no Hydra flags such as -m, --cfg, --help)."""
     return not any(arg.startswith("-") for arg in argv)
@@ -131,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
             train(compose(argv))  # composed once, here: a mistake is one line
         except Stopped as stop:  # saved after a signal: already said in one line
             return stop.exit_code
+        except RuntimeError as exc:
+            lost = lost_peer(exc)
+            if lost is None:
+                raise
+            raise TrainingError(lost) from None
         finally:
             close_distributed()
         return 0

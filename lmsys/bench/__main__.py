@@ -1,4 +1,5 @@
-"""`python -m lmsys.bench {train,prepare,generate,plan,ttl,checkpoint} [key=value ...]`: benchmarks."""
+"""`python -m lmsys.bench {train,prepare,generate,plan,ttl,checkpoint,integrity} [key=value ...]`:
+benchmarks."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ COMMANDS = {
     "plan": "lmsys.bench.plan",
     "ttl": "lmsys.bench.ttl",
     "checkpoint": "lmsys.bench.checkpoint",
+    "integrity": "lmsys.bench.integrity",
 }
 
 

@@ -26,7 +26,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
-from lmsys.core.choices import COMPILE_CHOICES
+from lmsys.core.choices import COMPILE_CHOICES, text_encoding
 from lmsys.core.errors import ConfigError
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repository's conf/
@@ -133,6 +133,10 @@ class DataConfig:
     val_fraction: float = 0.05
     tokenizer_sample_bytes: int = 20_000_000  # train the tokenizer on a bounded random sample
     on_decode_error: str = "error"  # error | skip: undecodable bytes
+    encoding: str = "utf-8"  # of the text files (a .jsonl is UTF-8): latin-1, cp1252, utf-16, ...
+    # In a directory (or a glob naming no suffix), read exactly the files of these suffixes, e.g.
+    # [.py,.pyi] for a code corpus; empty: .txt, .md, .jsonl and text of no known type.
+    suffixes: list[str] = field(default_factory=list)
     num_workers: int = 0  # 0 means all cores
     shard_tokens: int = 50_000_000
     seq_len: int = "${model.max_seq_len}"  # type: ignore[assignment]
@@ -409,6 +413,10 @@ def validate(cfg: Config) -> Config:
         )
     _require(0.0 < d.val_fraction < 1.0, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
     _one_of("data.on_decode_error", d.on_decode_error, ("error", "skip"))
+    _require(
+        text_encoding(d.encoding) is not None,
+        f"data.encoding={d.encoding!r} is not a text encoding Python knows; e.g. utf-8, latin-1, cp1252",
+    )
     _require(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be >= 0 (0 means all cores)")
     _require(d.shard_tokens >= 1, f"data.shard_tokens={d.shard_tokens} must be >= 1")
     _require(

@@ -43,6 +43,7 @@ from lmsys.engine import checkpoint as ckpt
 from lmsys.engine import rundir
 from lmsys.engine import zero as eng
 from lmsys.engine.quiet import ops_to_build
+from lmsys.engine.run_tokenizer import keep_tokenizer
 from lmsys.interop.exports import initial_model
 from lmsys.model.compiling import compile_errors, compile_stats, compile_summary, say_compiled
 from lmsys.model.selfcheck import check_kernels, settle
@@ -272,6 +273,7 @@ class Trainer:
                 self.report.warn(f"moved the damaged checkpoint {path.name} to {moved}")
             config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
             rundir.record_launch(self.run_dir, config_yaml, launch, run_id)
+            keep_tokenizer(self.run_dir, self.loader.data.tokenizer_path, self.state.tokenizer_sha256)
             rundir.write_json(self.run_dir, rundir.DEEPSPEED_FILE, self.ds_json)
             self.report.open(
                 lambda warn: MetricsLogger(

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from lmsys.core.errors import EXIT_STUCK_RANK
 from lmsys.core.files import atomic_write_text
 from lmsys.engine import rundir
+from lmsys.engine.runlock import release_held
 
 REPORT_ENV = "LMSYS_HANG_REPORT"  # a launcher's file for the line (launch/torchrun.py)
 
@@ -264,4 +265,5 @@ class Watchdog:
                 print(f"{self.prog}: error: {line}", file=sys.stderr, flush=True)
         if report and self.rank not in verdict.behind:
             atomic_write_text(Path(report), line + "\n")
+        release_held()  # rank 0's run.lock: os._exit skips the release
         os._exit(EXIT_STUCK_RANK)  # the main thread waits in a collective that will never return

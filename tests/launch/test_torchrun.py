@@ -5,6 +5,7 @@ checkpoint; a silent endpoint, a lonely node 0 and a wrong node count fail fast 
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import signal
 import subprocess
@@ -279,7 +280,44 @@ def test_worker_failure_without_restarts_is_reported(tiny, tmp_path):
     )
     assert proc.returncode == 13, proc.stderr[-3000:]
     assert proc.stderr.rstrip().splitlines()[-1].startswith("lmsys-launch: error: worker rank 1")
+    # the launcher's own line only: none of torch's log lines (`E1128 ... failed (exitcode: 13)`)
+    assert not re.search(r"^[EWI]\d{4} ", proc.stderr, re.M), proc.stderr
     assert max(losses(run_dir), default=0) <= 2  # the job stopped there
+
+
+@pytest.mark.slow
+def test_a_killed_rank_leaves_one_line_of_the_survivor_and_one_of_the_launcher(tiny, tmp_path):
+    """kill -9 of rank 1 while both train: rank 0's collective fails; it says so in one line (no
+    traceback from gloo or DeepSpeed), and the launcher's line names the killed rank."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    overrides = [
+        *tiny,
+        f"trainer.run_dir={run_dir}",
+        "trainer.debug_step_delay_s=0.5",
+        "trainer.max_steps=1000",
+    ]
+    proc = subprocess.Popen(
+        launcher("--nproc", "2", "--", *overrides), cwd=REPO_ROOT, env=child_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while max(losses(run_dir), default=0) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        (rank1,) = [w for w in workers if w.environ().get("RANK") == "1"]
+        rank1.kill()
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGKILL, out[-3000:] + err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.strip() and ": warning: " not in ln]
+    assert len(lines) == 2, err
+    assert lines[0].startswith("lmsys-train: error: rank 0: another rank left the job: "), lines
+    assert lines[1] == f"lmsys-launch: error: worker rank 1 (pid {rank1.pid}) was killed by signal 9", lines
 
 
 @pytest.mark.slow
