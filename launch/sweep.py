@@ -202,7 +202,8 @@ def _split_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[st
 def _check(
     args: argparse.Namespace, launcher_args: list[str], overrides: list[str]
 ) -> tuple[Plan | None, list]:
-    """Everything checkable before the first job: the launcher options, every job's config."""
+    """Everything checkable before the first job: the launcher options, every job's config, the
+    summary's --baseline (in --dry-run too)."""
     if any(_key(o) in RESERVED for o in overrides):
         raise ConfigError(
             "trainer.run_dir is set per job (<sweep_dir>/<job number>); use --sweep-dir instead"
@@ -214,7 +215,7 @@ def _check(
             "(on a shared filesystem)"
         )
     jobs = expand_sweep(overrides)
-    check_jobs(jobs, world_size=1 if plan is None else plan.nproc * plan.nnodes)
+    check_jobs(jobs, world_size=1 if plan is None else plan.nproc * plan.nnodes, baseline=args.baseline)
     return plan, jobs
 
 
