@@ -68,6 +68,7 @@ from lmsys.core.files import (
     space_checked,
     tree_bytes,
 )
+from lmsys.engine import zero_to_fp32
 from lmsys.engine.reshard import load_resharded
 from lmsys.engine.run_tokenizer import TOKENIZER_DIR, find_tokenizer
 from lmsys.engine.rundir import CHECKPOINTS, CONFIG_FILE, RUN_FILE, read_metrics, run_dir_of
@@ -75,6 +76,7 @@ from lmsys.engine.zero import consolidated_state_dict, persistent_params_kept, s
 from lmsys.model.weights import model_state_dict
 
 MARKER = "lmsys_checkpoint.json"
+RECOVERY_SCRIPT = "zero_to_fp32.py"  # in checkpoints/: lmsys.engine.zero_to_fp32
 LATEST = "latest"
 DAMAGED = "damaged"  # where pruning and resume move damaged checkpoints
 FORMAT = "lmsys-checkpoint"
@@ -319,6 +321,9 @@ def commit(
     atomic_write_text(tmp_dir / MARKER, json.dumps(marker, indent=1))
     install_dir(tmp_dir, final_dir)  # replaces a damaged checkpoint of this step after a fall-back
     atomic_write_text(root / LATEST, tag)
+    if (root / RECOVERY_SCRIPT).is_file():  # DeepSpeed's, written by every ZeRO save: lmsys's instead
+        atomic_write_text(root / RECOVERY_SCRIPT, Path(zero_to_fp32.__file__).read_text(encoding="utf-8"))
+        (root / RECOVERY_SCRIPT).chmod((root / RECOVERY_SCRIPT).stat().st_mode | 0o111)  # as DeepSpeed's
     prune(root, keep_last, keep=(final_dir,), warn=warn)
     return final_dir
 

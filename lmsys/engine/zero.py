@@ -32,7 +32,6 @@ costs seconds that the export tools and the CPU paths do not need to pay.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import io
 import logging
 import math
@@ -57,6 +56,7 @@ from lmsys.core.errors import CheckpointError
 from lmsys.core.runtime import BatchPlan
 from lmsys.engine.muon import build_muon, import_muon_lazily
 from lmsys.engine.quiet import quiet_overflow, skip_cpu_collectives_op, without_build_lines
+from lmsys.engine.zero_to_fp32 import safe_torch_load, weights_only
 from lmsys.model.compiling import compile_blocks, compile_module, wants_compile
 
 # ----------------------------------------------------------------------------- the process group
@@ -525,57 +525,18 @@ def shard_stats(engine: Any) -> dict[str, int]:
 
 # ----------------------------------------------------------------------------- reading checkpoints back
 
-# DeepSpeed pickles a few of its own plain data classes into optimizer-state files. They are
-# allowlisted for `torch.load(weights_only=True)`, which only rebuilds these types and tensors;
-# anything else in a pickle is refused.
-_DEEPSPEED_SAFE_GLOBALS = (
-    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
-    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
-    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
-    ("deepspeed.utils.tensor_fragment", "fragment_address"),
-)
-
-
-def _safe_globals() -> list[Any]:
-    found = []
-    for module, name in _DEEPSPEED_SAFE_GLOBALS:
-        with contextlib.suppress(Exception):
-            found.append(getattr(importlib.import_module(module), name))
-    return found
-
-
-def safe_torch_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool | None = None) -> Any:
-    """torch.load with weights_only=True (never unpickles code) and DeepSpeed's data classes."""
-    with torch.serialization.safe_globals(_safe_globals()):
-        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-
-
-class _WeightsOnlyTorch:
-    """Stands in for the `torch` module inside deepspeed.utils.zero_to_fp32 while it runs, so its
-    `torch.load(..., weights_only=False)` calls become weights-only loads."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-    @staticmethod
-    def load(
-        f: Any, map_location: Any = None, weights_only: bool | None = None, mmap: bool | None = None, **_: Any
-    ):
-        return safe_torch_load(f, map_location=map_location, mmap=mmap)
-
 
 @contextlib.contextmanager
 def _quiet_and_safe(zero_to_fp32: Any) -> Iterator[io.StringIO]:
     """zero_to_fp32 prints progress to stdout and tqdm bars to stderr: capture both, and make
     its torch.load weights-only for the duration."""
     captured = io.StringIO()
-    original = zero_to_fp32.torch
     ds_logger = logging.getLogger("DeepSpeed")
     level = ds_logger.level
-    zero_to_fp32.torch = _WeightsOnlyTorch()
     ds_logger.setLevel(logging.ERROR)
     try:
         with (
+            weights_only(zero_to_fp32),
             contextlib.redirect_stdout(captured),
             contextlib.redirect_stderr(captured),
             warnings.catch_warnings(),
@@ -583,7 +544,6 @@ def _quiet_and_safe(zero_to_fp32: Any) -> Iterator[io.StringIO]:
             warnings.simplefilter("ignore")
             yield captured
     finally:
-        zero_to_fp32.torch = original
         ds_logger.setLevel(level)
 
 
