@@ -113,19 +113,31 @@ def die_with_launcher() -> None:
         os._exit(1)
 
 
+# How gloo and NCCL word a collective whose peer process is gone
+_PEER_GONE = (
+    "closed by peer",
+    "reset by peer",
+    "broken pipe",
+    "remote process exited",
+    "communicator was aborted",
+)
+
+
 def lost_peer(exc: BaseException) -> str | None:
     """The line of a rank whose collective failed because another rank of the job is gone
-    (killed, crashed): raised inside torch.distributed in a job of several ranks. None for any
-    other error. The launcher's own line names the rank that failed."""
+    (killed, crashed): raised inside torch.distributed in a job of several ranks, in the words
+    gloo and NCCL use for a lost peer (_PEER_GONE). None for any other error, which keeps its
+    traceback. The launcher's own line names the rank that failed."""
     if int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return None
     frames = traceback.extract_tb(exc.__traceback__)
     where = next(
         (f for f in reversed(frames) if "torch/distributed/" in f.filename.replace(os.sep, "/")), None
     )
-    if where is None:
-        return None
     text = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(str(exc).split()))  # gloo's source location
+    gone = type(exc).__name__ == "DistNetworkError" or any(p in text.lower() for p in _PEER_GONE)
+    if where is None or not gone:
+        return None
     reason = text.split(". ")[0] or type(exc).__name__
     return (
         f"rank {os.environ.get('RANK', '0')}: another rank left the job: {where.name} failed "

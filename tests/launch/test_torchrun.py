@@ -285,6 +285,43 @@ def test_worker_failure_without_restarts_is_reported(tiny, tmp_path):
     assert max(losses(run_dir), default=0) <= 2  # the job stopped there
 
 
+def _raised_in_torch_distributed(message: str) -> RuntimeError:
+    """A RuntimeError whose traceback ends in torch.distributed's code, as a failed collective's does."""
+    code = compile(
+        f"def all_reduce():\n    raise RuntimeError({message!r})\n",
+        "torch/distributed/distributed_c10d.py",
+        "exec",
+    )
+    scope: dict = {}
+    exec(code, scope)
+    try:
+        scope["all_reduce"]()
+    except RuntimeError as exc:
+        return exc
+    raise AssertionError("not raised")
+
+
+def test_only_a_lost_peer_becomes_the_survivors_line(monkeypatch):
+    from lmsys.train import lost_peer
+
+    gone = _raised_in_torch_distributed(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:34718. This is typically caused by a remote worker crashing."
+    )
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert lost_peer(gone) == (
+        "rank 0: another rank left the job: all_reduce failed (Connection closed by peer [127.0.0.1]:34718); "
+        "the launcher's line names the rank that failed"
+    )
+    assert (
+        lost_peer(_raised_in_torch_distributed("Tensors must be contiguous")) is None
+    )  # a bug: its traceback
+    assert lost_peer(RuntimeError("Connection closed by peer")) is None  # not from a collective
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert lost_peer(gone) is None
+
+
 @pytest.mark.slow
 def test_a_killed_rank_leaves_one_line_of_the_survivor_and_one_of_the_launcher(tiny, tmp_path):
     """kill -9 of rank 1 while both train: rank 0's collective fails; it says so in one line (no
