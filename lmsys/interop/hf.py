@@ -23,9 +23,10 @@ transpose of `nn.Linear`'s (out, in):
 Both fuse Q, K, V in that order with head h in columns [h*d, (h+1)*d) of each third, so the
 fused matrix maps over with a transpose only.
 
-Reading a transformers checkpoint directory (`read_hf_checkpoint`, lmsys-import): config.json
-and the weights as `model.safetensors` or `pytorch_model.bin`, either one file or shards listed
-by their `.index.json`; safetensors is preferred, and a .bin is read with
+Reading a transformers checkpoint directory (`read_hf_weights`; lmsys.interop.exports reads its
+config.json and dispatches on model_type, the Llama family to lmsys/interop/hf_llama.py): the
+weights as `model.safetensors` or `pytorch_model.bin`, either one file or shards listed by their
+`.index.json`; safetensors is preferred, and a .bin is read with
 `torch.load(weights_only=True)`, which rebuilds tensors and refuses anything else in the pickle.
 Older files name the tensors without `transformer.` and carry causal-mask buffers (dropped).
 """
@@ -357,27 +358,6 @@ def from_hf(
 
 
 # ----------------------------------------------------------------------------- a transformers directory
-
-
-def read_hf_checkpoint(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """The lmsys config and state dict (Transformer keys, tied embedding once) of a transformers
-    GPT-2 checkpoint directory (`GPT2LMHeadModel.save_pretrained`). When the weights record the
-    lmsys config (an lmsys format=hf export), that config is used."""
-    path = directory / "config.json"
-    if not path.is_file():
-        raise ExportError(f"{directory} has no config.json: it is not a transformers checkpoint directory")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ExportError(f"{path} is not valid JSON ({exc})") from exc
-    if not isinstance(config, dict) or config.get("model_type") != "gpt2":
-        kind = config.get("model_type") if isinstance(config, dict) else None
-        raise ExportError(
-            f"{path} has model_type {kind!r}; lmsys reads GPT-2 checkpoints (model_type 'gpt2')"
-        )
-    tensors, metadata, label = read_hf_weights(directory)
-    cfg = model_config_from_hf(config, metadata.get("lmsys_model_config"))
-    return cfg, from_hf(cfg, tensors, label=label)
 
 
 def read_hf_weights(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:
