@@ -462,7 +462,7 @@ def adopt_init_from(overrides: list[str]) -> list[str]:
     if recorded is None:
         return rest
     ConfigStore.instance().store(group="model", name=INIT_FROM_PRESET, node=recorded)
-    return [f"model={INIT_FROM_PRESET}", *rest]
+    return [*rest, f"model={INIT_FROM_PRESET}"]  # last: Hydra's flags (-m) may lead
 
 
 def export_model_config(directory: Path) -> dict[str, Any] | None:
