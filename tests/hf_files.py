@@ -45,9 +45,16 @@ def random_gpt2(vocab_size: int, eos_id: int, n_positions: int = 32, seed: int =
     )
     torch.manual_seed(seed)
     model = transformers.GPT2LMHeadModel(config).eval()
+    return moved_off_init(model)
+
+
+def moved_off_init(model, scale: float = 0.05):
+    """`model` with N(0, scale^2) added to every parameter (torch's global generator), so that
+    no weight, bias or norm gain keeps its initial value: a mapping that drops or misplaces one
+    shows in the outputs."""
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+            p.add_(scale * torch.randn_like(p))
     return model
 
 
@@ -96,10 +103,7 @@ def random_family_model(model_type: str, vocab_size: int, eos_id: int, n_positio
     )  # fmt: skip
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return model
+    return moved_off_init(model)
 
 
 def save_family_directory(directory: Path, model, tokenizer, max_shard_size: str | None = None) -> Path:

@@ -125,13 +125,6 @@ def hf_config(
     """The GPT2Config (as config.json) of a GPT-2-shaped lmsys config."""
     require_gpt2(cfg)
     dims = model_dims(cfg)
-    ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
-    if tokenizer is not None:
-        ids = {
-            "bos_token_id": tokenizer.bos_id,
-            "eos_token_id": tokenizer.eos_id,
-            "pad_token_id": tokenizer.pad_id,
-        }
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -155,16 +148,23 @@ def hf_config(
         "tie_word_embeddings": True,
         "use_cache": True,
         "torch_dtype": str(dtype).removeprefix("torch."),  # the stored weights' dtype
-        **ids,
+        **special_ids(tokenizer),
     }
 
 
-def generation_config(tokenizer: Any) -> dict[str, Any]:
+def special_ids(tokenizer: Any | None) -> dict[str, int | None]:
+    """config.json's (and generation_config.json's) bos/eos/pad ids of the export's tokenizer."""
+    if tokenizer is None:
+        return {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
     return {
         "bos_token_id": tokenizer.bos_id,
         "eos_token_id": tokenizer.eos_id,
         "pad_token_id": tokenizer.pad_id,
     }
+
+
+def generation_config(tokenizer: Any) -> dict[str, Any]:
+    return special_ids(tokenizer)
 
 
 def to_hf(
@@ -246,16 +246,9 @@ def model_config_from_hf(config: dict[str, Any], lmsys_config_json: str | None =
         }
     except (KeyError, TypeError, ValueError) as exc:
         raise ExportError(f"config.json is not a GPT2Config ({type(exc).__name__}: {exc})") from exc
-    try:
-        derived = model_config_from_dict(data)
-    except ConfigError as exc:
-        raise ExportError(f"config.json describes an invalid model: {exc}") from exc
-    if not lmsys_config_json:
+    derived, recorded = derived_and_recorded(data, lmsys_config_json)
+    if recorded is None:
         return derived
-    try:
-        recorded = model_config_from_dict(json.loads(lmsys_config_json))
-    except (ValueError, ConfigError) as exc:
-        raise ExportError(f"the lmsys config recorded in model.safetensors is invalid: {exc}") from exc
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "tied_embeddings"):
         if getattr(recorded, key) != getattr(derived, key):
             raise ExportError(
@@ -267,6 +260,24 @@ def model_config_from_hf(config: dict[str, Any], lmsys_config_json: str | None =
             "config.json disagrees with the lmsys config recorded in model.safetensors: n_inner or eps"
         )
     return recorded
+
+
+def derived_and_recorded(
+    data: dict[str, Any], lmsys_config_json: str | None, label: str = "config.json"
+) -> tuple[ModelConfig, ModelConfig | None]:
+    """(the ModelConfig of `data`, the lmsys form of a config.json; the one an lmsys format=hf
+    export recorded in its safetensors header, None when there is none), each validated."""
+    try:
+        derived = model_config_from_dict(data)
+    except ConfigError as exc:
+        raise ExportError(f"{label} describes an invalid model: {exc}") from exc
+    if not lmsys_config_json:
+        return derived, None
+    try:
+        recorded = model_config_from_dict(json.loads(lmsys_config_json))
+    except (ValueError, ConfigError) as exc:
+        raise ExportError(f"the lmsys config recorded in model.safetensors is invalid: {exc}") from exc
+    return derived, recorded
 
 
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -39,15 +39,14 @@ checkpoint read and written back holds the same tensors.
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
 import torch
 
-from lmsys.core.config import ModelConfig, model_config_from_dict, model_dims
-from lmsys.core.errors import ConfigError, ExportError
-from lmsys.interop.hf import HF_ACTIVATIONS
+from lmsys.core.config import ModelConfig, model_dims
+from lmsys.core.errors import ExportError
+from lmsys.interop.hf import HF_ACTIVATIONS, derived_and_recorded, special_ids
 from lmsys.model.weights import check_tensors, expected_shapes
 
 ARCHITECTURES = {
@@ -174,7 +173,7 @@ def hf_config(
         "attention_dropout": 0.0,
         "use_cache": True,
         "torch_dtype": str(dtype).removeprefix("torch."),  # the stored weights' dtype
-        **_special_ids(tokenizer),
+        **special_ids(tokenizer),
     }
     if model_type != "qwen2" or dims.d_qk * cfg.n_heads != cfg.d_model:  # Qwen2Config has no head_dim field
         config["head_dim"] = dims.d_qk
@@ -187,16 +186,6 @@ def hf_config(
     if model_type == "mistral":
         config["sliding_window"] = None
     return config
-
-
-def _special_ids(tokenizer: Any | None) -> dict[str, int | None]:
-    if tokenizer is None:
-        return {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
-    return {
-        "bos_token_id": tokenizer.bos_id,
-        "eos_token_id": tokenizer.eos_id,
-        "pad_token_id": tokenizer.pad_id,
-    }
 
 
 def to_hf(
@@ -258,16 +247,9 @@ def model_config_from_hf(
         data = _config_dict(config, model_type, label)
     except (KeyError, TypeError, ValueError) as exc:
         raise ExportError(f"{label} is not a {model_type} config ({type(exc).__name__}: {exc})") from exc
-    try:
-        derived = model_config_from_dict(data)
-    except ConfigError as exc:
-        raise ExportError(f"{label} describes a model lmsys cannot build: {exc}") from exc
-    if not lmsys_config_json:
+    derived, recorded = derived_and_recorded(data, lmsys_config_json, label)
+    if recorded is None:
         return derived
-    try:
-        recorded = model_config_from_dict(json.loads(lmsys_config_json))
-    except (ValueError, ConfigError) as exc:
-        raise ExportError(f"the lmsys config recorded in model.safetensors is invalid: {exc}") from exc
     ignore = ("bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "initializer_range")
     want = hf_config(recorded)
     for key, value in hf_config(derived).items():

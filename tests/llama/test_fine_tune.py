@@ -34,6 +34,7 @@ from lmsys.engine import checkpoint as ckpt
 from lmsys.engine.rundir import read_metrics
 from tests.export.conftest import REPO_ROOT, TORCHRUN, child_env
 from tests.llama.conftest import PIECES
+from tests.model.test_llama_family import MUON_MATRICES
 from tests.stdlib_text import write_docstring_files
 
 pytestmark = pytest.mark.slow
@@ -222,14 +223,7 @@ def test_muon_trains_the_familys_matrices(journey):
     saved = SavedState(found.tag_dir, found.state.zero_stage, found.state.world_size, names)
     weights = consolidated_state_dict(found.tag_dir, found.state.zero_stage)
     hidden = {name for name, p in model.named_parameters() if any(p is m for m in muon)}
-    per_block = (
-        "attn.w_qkv.weight",
-        "attn.w_o.weight",
-        "ffn.gate.weight",
-        "ffn.hidden.0.weight",
-        "ffn.out.weight",
-    )
-    assert hidden == {f"model.blocks.{i}.{n}" for i in range(2) for n in per_block}
+    assert hidden == {f"model.blocks.{i}.{n}" for i in range(2) for n in MUON_MATRICES}
     for name in hidden:
         state = saved.param(name, weights[name].shape)
         assert (

@@ -25,6 +25,7 @@ from lmsys.core.errors import ExportError
 from lmsys.interop.exports import export_checkpoint, import_checkpoint, load_export, write_export
 from lmsys.model.transformer import Transformer
 from tests.export.conftest import assert_one_line_error, run_clis
+from tests.hf_files import moved_off_init
 from tests.llama.conftest import CONTEXT, FAMILIES, PIECES
 
 # Config keys that shape the function (transformers' names); head_dim and rope_parameters as
@@ -66,15 +67,6 @@ def test_hf_to_lmsys_to_hf_is_exact(tmp_path, family, hf_family, family_imports,
     assert (cfg.vocab_size, cfg.tokenizer_vocab_size) == (PIECES + 16, PIECES) if padded else (PIECES, None)
 
 
-def _noisy(cfg, seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    model = Transformer(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return model
-
-
 SMALL = [
     f"vocab_size={PIECES}",
     "d_model=64",
@@ -94,7 +86,8 @@ FROM_SCRATCH = {
 @torch.no_grad()
 def test_a_family_model_exports_as_its_architecture(tmp_path, architecture, hf_family, transformers):
     cfg = compose_model("llama_tiny", [*SMALL, *FROM_SCRATCH[architecture]])
-    model = _noisy(cfg)
+    torch.manual_seed(0)
+    model = moved_off_init(Transformer(cfg).eval())
     tokenizer = hf_family["llama"] / "tokenizer.json"
     out = write_export(tmp_path / "hf", cfg, model.state_dict(), tokenizer, {"step": 3}, fmt="hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()

@@ -25,6 +25,7 @@ from lmsys.engine.muon import split_parameters
 from lmsys.engine.zero import apply_activation_checkpointing
 from lmsys.model.kv_cache import KVCache, StaticKVCache
 from lmsys.model.transformer import Transformer, rope_inverse_frequencies, rotary_tables
+from tests.hf_files import moved_off_init
 
 SMALL = ["vocab_size=41", "d_model=32", "n_heads=4", "n_layers=2", "max_seq_len=24", "ffn.d_ff=40"]
 # every new option at once: rotary with llama3 scaling, GQA 4 over 2, QK-norm, q/k/v biases
@@ -35,11 +36,7 @@ FULL = ["attention.n_kv_heads=2", "attention.qk_norm=true", "attention.q_bias=tr
 
 def family_model(extra: list[str] | None = None, dtype=torch.float64, seed: int = 0) -> Transformer:
     torch.manual_seed(seed)
-    model = Transformer(compose_model("llama_tiny", [*SMALL, *(extra or [])])).to(dtype)
-    with torch.no_grad():  # every weight, bias and gain off its initial value
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return model
+    return moved_off_init(Transformer(compose_model("llama_tiny", [*SMALL, *(extra or [])])).to(dtype))
 
 
 def ids(batch: int = 2, length: int = 24, seed: int = 5) -> torch.Tensor:
@@ -272,18 +269,21 @@ def test_compile_traces_the_family_without_a_graph_break():
         torch.testing.assert_close(p.grad, want[1][name], atol=1e-6, rtol=1e-6)
 
 
+# What Muon steps in each block of the family (the rest: AdamW)
+MUON_MATRICES = (
+    "attn.w_qkv.weight",
+    "attn.w_o.weight",
+    "ffn.gate.weight",
+    "ffn.hidden.0.weight",
+    "ffn.out.weight",
+)
+
+
 def test_muon_takes_the_attention_and_feed_forward_matrices():
     model = family_model(FULL)
     muon, _, _ = split_parameters(model)
     names = {name for name, p in model.named_parameters() if any(p is m for m in muon)}
-    per_block = (
-        "attn.w_qkv.weight",
-        "attn.w_o.weight",
-        "ffn.gate.weight",
-        "ffn.hidden.0.weight",
-        "ffn.out.weight",
-    )
-    assert names == {f"blocks.{i}.{n}" for i in range(2) for n in per_block}
+    assert names == {f"blocks.{i}.{n}" for i in range(2) for n in MUON_MATRICES}
 
 
 @pytest.mark.parametrize("preset", ["llama_tiny", "qwen3_0_6b", "llama3_2_1b"])
