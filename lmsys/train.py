@@ -25,7 +25,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from lmsys.cli import flag_as_override, run_cli
-from lmsys.core.config import CONF_DIR, compose, config_keys, to_config
+from lmsys.core.config import CONF_DIR, adopt_init_from, compose, config_keys, to_config
 from lmsys.core.console import one_line, report_error
 from lmsys.core.errors import EXIT_REQUEUE, LmsysError, Stopped, TrainingError
 from lmsys.sweep.multirun import (
@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         if status:
             return status
         argv = shared_sweep_dir(argv)  # under torchrun: one sweep directory for all ranks
-    sys.argv = [sys.argv[0] if sys.argv else PROG, *argv]
+    # model.init_from=DIR alone: the export's model as the preset, for Hydra's own composition too
+    sys.argv = [sys.argv[0] if sys.argv else PROG, *adopt_init_from(argv)]
     _hydra_task()
     if FAILED_JOBS:  # each said why in its line; the summary marks them
         numbers = ", ".join(str(n) for n, _ in FAILED_JOBS)

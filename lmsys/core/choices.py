@@ -8,6 +8,7 @@ import codecs
 
 DTYPE_NAMES = ("fp32", "bf16", "fp16")  # compute and storage dtypes (lmsys.core.runtime.DTYPES)
 COMPILE_CHOICES = ("auto", "true", "false")  # trainer.compile and the commands' compile=
+KERNEL_CHOICES = ("auto", "triton", "torch")  # model.kernels and the commands' kernels=
 
 
 def text_encoding(name: str) -> str | None:

@@ -222,11 +222,19 @@ def _check_destination(out: Path) -> None:
 
 
 def _given_tokenizer(cfg: Config) -> Tokenizer | None:
-    """data.tokenizer, checked against model.vocab_size; None when lmsys-prepare trains one."""
+    """data.tokenizer, checked against the model's tokenizer size (model.tokenizer_vocab_size, else
+    model.vocab_size); None when lmsys-prepare trains one."""
     d = cfg.data
     if not d.tokenizer:
         return None
     given = Tokenizer(Path(d.tokenizer).expanduser())
+    if cfg.model.tokenizer_vocab_size is not None:
+        if given.vocab_size != cfg.model.tokenizer_vocab_size:
+            raise DataError(
+                f"data.tokenizer={d.tokenizer} has vocab_size {given.vocab_size} but the model reads a "
+                f"tokenizer of model.tokenizer_vocab_size={cfg.model.tokenizer_vocab_size} pieces"
+            )
+        return given
     if given.vocab_size != cfg.model.vocab_size:
         raise DataError(
             f"data.tokenizer={d.tokenizer} has vocab_size {given.vocab_size} but model.vocab_size="

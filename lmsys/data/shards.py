@@ -333,11 +333,24 @@ class PreparedData:
                 raise too_short(self.dir, split, n_tokens, tokens_per_sample)
 
     def check_model(self, model: ModelConfig) -> None:
-        """Refuse a model whose vocabulary differs from the tokenizer the shards were made with."""
+        """Refuse a model whose vocabulary differs from the tokenizer the shards were made with (its
+        model.tokenizer_vocab_size when set: the embedding's rows past it are padding)."""
+        if model.tokenizer_vocab_size is not None:
+            if model.tokenizer_vocab_size != self.vocab_size:
+                raise DataError(
+                    f"model.tokenizer_vocab_size={model.tokenizer_vocab_size} but {self.dir} was tokenized "
+                    f"with a {self.vocab_size}-piece tokenizer; prepare the data with the model's tokenizer"
+                )
+            return
         if model.vocab_size != self.vocab_size:
+            padding = (
+                f" (or model.tokenizer_vocab_size={self.vocab_size}, the rest of the rows padding)"
+                if model.vocab_size > self.vocab_size
+                else ""
+            )
             raise DataError(
                 f"model.vocab_size={model.vocab_size} but {self.dir} was tokenized with a "
-                f"{self.vocab_size}-piece tokenizer; set model.vocab_size={self.vocab_size} or "
+                f"{self.vocab_size}-piece tokenizer; set model.vocab_size={self.vocab_size}{padding} or "
                 f"re-run lmsys-prepare data.dir={self.dir} model.vocab_size={model.vocab_size}"
             )
 

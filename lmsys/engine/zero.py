@@ -167,10 +167,10 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
     for block in blocks:
         inner = block.forward
 
-        def forward(x, cache=None, layer=0, key_mask=None, _inner=inner):
+        def forward(x, cache=None, layer=0, key_mask=None, rope=None, _inner=inner):
             if cache is not None or not torch.is_grad_enabled():  # generation / eval: nothing to save
-                return _inner(x, cache, layer, key_mask)
-            return checkpoint(_inner, x, None, layer, key_mask, use_reentrant=False)
+                return _inner(x, cache, layer, key_mask, rope)
+            return checkpoint(_inner, x, None, layer, key_mask, rope, use_reentrant=False)
 
         block.forward = forward
     return len(blocks)

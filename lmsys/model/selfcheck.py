@@ -77,7 +77,7 @@ def kernels_used(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> 
     if not ops.use_triton(probe, cfg.kernels):
         used: list[str] = []
     else:
-        norms = cfg.norm.formula != "none"
+        norms = cfg.norm.formula not in ("none", "rms")  # rms: no Triton kernel yet (lmsys.model.ops)
         used = [
             name
             for name, on in (
