@@ -81,18 +81,23 @@ def skipped_data_file(run_dir: Path) -> Path:
     return run_dir / DIAGNOSTICS / SKIPPED_DATA_FILE
 
 
-def read_skipped_data(run_dir: Path) -> list[dict[str, Any]]:
-    """The entries of skipped-data.json ({"step", "data_step", "rewound_to", "report"}), oldest first."""
+def _skipped_data(run_dir: Path) -> list[dict[str, Any]]:
     path = skipped_data_file(run_dir)
     if not path.exists():
         return []
     return list(json.loads(path.read_text(encoding="utf-8"))["skipped"])
 
 
+def skipped_data_steps(run_dir: Path) -> list[int]:
+    """The stream steps (lmsys.data.loader) a run never trains on: those its rewinds skipped."""
+    return [int(entry["data_step"]) for entry in _skipped_data(run_dir)]
+
+
 def add_skipped_data(run_dir: Path, step: int, data_step: int, rewound_to: int, report: Path) -> None:
     """Append a rewind's entry to skipped-data.json: step `step` (stream step `data_step`) is never
-    trained on again; the run went back to the checkpoint of `rewound_to`."""
-    entries = read_skipped_data(run_dir)
+    trained on again; the run went back to the checkpoint of `rewound_to`; `report`: the bad
+    step's report."""
+    entries = _skipped_data(run_dir)
     entries.append({"step": step, "data_step": data_step, "rewound_to": rewound_to, "report": report.name})
     atomic_write_text(skipped_data_file(run_dir), json.dumps({"skipped": entries}, indent=1) + "\n")
 

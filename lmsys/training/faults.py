@@ -26,7 +26,7 @@ them at their defaults, which inject nothing.
 `Faults` is a component of the training loop (lmsys.training.components): it signals or hangs
 `before_step`, poisons a micro-batch's loss `after_forward`, a module's weights `after_update`,
 and sleeps or crashes once the step is `step_finished`. A non-finite injection is a broken module:
-`arm(model)` hooks it into the training model and into the copy that lmsys.training.nonfinite
+`arm(model)` hooks it into the training model and into the copy that lmsys.training.health
 replays a step on, so the replay meets the same fault. It fires the first time its step runs in a
 launch only (a fault of that step's data: after a rewind, which never trains on that data again,
 the step runs clean).

@@ -63,9 +63,8 @@ def train(cfg: Config, step_hook: Callable[[int], None] | None = None) -> Path:
         console = Console(PROG, rank, cfg.trainer.progress, cfg.logger.console_interval)
         device, precision = start_processes(cfg, console)
         rank, world = dist.get_rank(), dist.get_world_size()
-        start = agree_on_start(
-            cfg, rank, world, data.tokenizer_sha256, console
-        )  # a resume's batch check first
+        # rank 0 settles the run directory and the checkpoint it continues (a resume's batch check first)
+        start = agree_on_start(cfg, rank, world, data.tokenizer_sha256, console)
         crowded = oversubscription(device)
         if crowded:
             console.warn(crowded)

@@ -93,7 +93,7 @@ class Trainer:
         self.loader = train_loader(cfg, setup, data)
         self.state = new_train_state(cfg, setup, data.tokenizer_sha256)
         # the stream steps never trained on: those a rewind skipped, in this launch or before it
-        self.skipped = {int(entry["data_step"]) for entry in rundir.read_skipped_data(self.run_dir)}
+        self.skipped = set(rundir.skipped_data_steps(self.run_dir))
         if start.resume is not None:
             self.load(start.resume)
             for note in resume_notes(start.resume, cfg, setup, len(self.skipped)):
@@ -102,6 +102,7 @@ class Trainer:
         self.first_loss: float | None = None  # of this launch
         self.last_val: float | None = None
         self.components = Components()
+        self.saves: Saves  # register() gives it
 
     def register(self, saves: Saves, *components: Component) -> None:
         """The checkpoint saves (the loop saves through them) and the other components; the loop
@@ -285,7 +286,7 @@ class Trainer:
         intervals and at the end. step_hook(step) runs after each step's logging, evaluation and
         checkpoint (lmsys.bench train interleaves a plain loop's steps with lmsys's through it).
         A stop request (`StopRequest`) ends the run after the step every rank learns of it in:
-        `_stop` saves that step and raises Stopped."""
+        `Saves.stop_run` saves that step and raises Stopped."""
         t = self.cfg.trainer
         started = time.perf_counter()
         self.engine.train()
