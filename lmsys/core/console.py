@@ -5,10 +5,12 @@ Lines go to stdout, warnings to stderr as `<prog>: warning: ...`, and while the 
 both go through it, so they print above the bar instead of tearing it. The other ranks of a job
 print nothing: they do the same work and would only repeat rank 0.
 
-Two modes. In a terminal (stderr is a tty) with trainer.progress=true, a progress bar over the
-steps. Anywhere else (a log file, `| tee`, SLURM, CI) or with trainer.progress=false, a bar would
-be carriage-return frames in one endless line: a plain line every logger.console_interval steps
-instead (and at the first and last step of a launch), with the same fields evaluation lines show.
+A step's line and a validation's are formatted from their metrics records (lmsys.core.rundir), the
+same numbers metrics.jsonl and W&B get. Two modes. In a terminal (stderr is a tty) with
+trainer.progress=true, a progress bar over the steps. Anywhere else (a log file, `| tee`, SLURM,
+CI) or with trainer.progress=false, a bar would be carriage-return frames in one endless line: a
+plain line every logger.console_interval steps instead (and at the first and last step of a
+launch), with the same fields evaluation lines show.
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ class Console:
         self.show_bar = progress and terminal
         self._bar: tqdm | None = None
         self._first_step: int | None = None  # of this launch
-        self.last_step: tuple[TrainRecord, int] | None = None  # and the launch's max_steps
+        self.last_step: TrainRecord | None = None
+        self.max_steps: int | None = None  # the last step of the launch (`progress`)
 
     @property
     def active(self) -> bool:
@@ -131,7 +134,9 @@ class Console:
 
     @contextmanager
     def progress(self, total: int, initial: int) -> Iterator[None]:
-        """A progress bar over optimizer steps while the block runs (rank 0, trainer.progress)."""
+        """A progress bar over optimizer steps while the block runs (rank 0, trainer.progress): the
+        launch's steps initial + 1 .. total."""
+        self.max_steps = total
         self._bar = tqdm(
             total=total,
             initial=initial,
@@ -148,11 +153,12 @@ class Console:
             self._bar.close()
             self._bar = None
 
-    def step_done(self, record: TrainRecord, max_steps: int) -> None:
+    def step_done(self, record: TrainRecord) -> None:
         """Advance the bar by one step with the step's fields, or print the plain line when due."""
         if self._first_step is None:
             self._first_step = record.step
-        self.last_step = (record, max_steps)
+        self.last_step = record
+        max_steps = self.max_steps or record.step
         if self._bar is not None and not self._bar.disable:
             postfix = {"loss": f"{record.loss:.4f}", "lr": f"{record.lr:.2e}"}
             if record.grad_norm is not None:
@@ -164,7 +170,7 @@ class Console:
         due = record.step % self.interval == 0 or record.step in (self._first_step, max_steps)
         if due:
             head = [f"{self.prog}: step {record.step}/{max_steps}", f"loss {record.loss:.4f}"]
-            self.say(" | ".join(head + self._fields(record, max_steps)))
+            self.say(" | ".join(head + self._fields(record)))
 
     def eval_done(self, record: EvalRecord, train_loss: float, coverage: str) -> None:
         """The validation line: both losses and the last step's fields."""
@@ -172,11 +178,11 @@ class Console:
             f"{self.prog}: step {record.step}: train loss {train_loss:.4f}",
             f"val loss {record.loss:.4f} ({coverage})",
         ]
-        if self.last_step is not None and self.last_step[0].step == record.step:
-            parts += self._fields(*self.last_step)
+        if self.last_step is not None and self.last_step.step == record.step:
+            parts += self._fields(self.last_step)
         self.say(" | ".join(parts))
 
-    def _fields(self, record: TrainRecord, max_steps: int) -> list[str]:
+    def _fields(self, record: TrainRecord) -> list[str]:
         """`lr 3.00e-04`, `grad norm 0.91`, ... (the loss is the caller's: train or val)."""
         out = [f"lr {record.lr:.2e}"]
         if record.grad_norm is not None:
@@ -185,6 +191,7 @@ class Console:
         if record.mfu is not None:
             out.append(f"MFU {100 * record.mfu:.1f}%")
         out.append(f"elapsed {duration(record.elapsed_s)}")
+        max_steps = self.max_steps or record.step
         if record.step < max_steps:
             # the remaining steps at this launch's mean pace so far
             steps_done = max(record.step - (self._first_step or record.step) + 1, 1)

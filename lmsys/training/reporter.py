@@ -114,7 +114,7 @@ class Reporter:
     def step_done(self, record: TrainRecord) -> None:
         due = record.step % self.log_interval == 0 or record.step in (self.first_step, self.max_steps)
         self._write(record, to_wandb=due)
-        self.console.step_done(record, self.max_steps)
+        self.console.step_done(record)
 
     def eval_done(self, record: EvalRecord, train_loss: float, coverage: str) -> None:
         self._write(record, to_wandb=True)

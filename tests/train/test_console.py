@@ -57,7 +57,7 @@ def test_plain_lines_every_console_interval(capsys):
     console = Console("lmsys-train", progress=True, interval=10, terminal=False)
     with console.progress(total=30, initial=4):
         for step in range(5, 31):
-            console.step_done(report(step, initial=4), 30)
+            console.step_done(report(step, initial=4))
     out, err = capsys.readouterr()
     assert [int(m.group(1)) for m in map(STEP_LINE.match, out.splitlines()) if m] == [5, 10, 20, 30]
     assert err == ""  # no bar
@@ -70,7 +70,7 @@ def test_terminal_shows_the_bar_with_the_fields(capsys):
     console = Console("lmsys-train", progress=True, interval=1, terminal=True)
     with console.progress(total=3, initial=0):
         for step in (1, 2, 3):
-            console.step_done(report(step), 3)
+            console.step_done(report(step))
         console.eval_done(EvalRecord.of(3, 2.25), 2.5, "all 12 val sequences")
     out, err = capsys.readouterr()
     assert not any(STEP_LINE.match(line) for line in out.splitlines())  # the bar instead of lines
@@ -88,7 +88,7 @@ def test_a_progress_false_terminal_gets_lines(capsys):
     console = Console("lmsys-train", progress=False, interval=2, terminal=True)
     with console.progress(total=4, initial=0):
         for step in range(1, 5):
-            console.step_done(report(step), 4)
+            console.step_done(report(step))
     out, err = capsys.readouterr()
     assert [int(m.group(1)) for m in map(STEP_LINE.match, out.splitlines()) if m] == [1, 2, 4]
     assert err == ""
