@@ -36,9 +36,9 @@ import torch
 from lmsys.cli import MODEL_LOADING_OPTIONS, Option, parse_options, run_cli
 from lmsys.core.console import warn
 from lmsys.core.errors import LmsysError, UsageError
+from lmsys.core.rundir import CHECKPOINTS, EVAL_PLOT_FILE
 from lmsys.core.runtime import resolve_device, resolve_dtype
 from lmsys.engine.checkpoint import list_checkpoints, resolve
-from lmsys.engine.rundir import CHECKPOINTS, EVAL_PLOT_FILE
 from lmsys.inference.evaluation import EvalError, EvalResult, evaluate_source, pick_source
 from lmsys.inference.lengths import choose_window
 from lmsys.interop.exports import load_model

@@ -33,9 +33,9 @@ from pathlib import Path
 
 from lmsys.cli import Option, parse_options, run_cli
 from lmsys.core.errors import UsageError
+from lmsys.core.rundir import EXPORT_DIR
 from lmsys.core.runtime import DTYPES, resolve_dtype
 from lmsys.engine.checkpoint import resolve
-from lmsys.engine.rundir import EXPORT_DIR
 from lmsys.interop.exports import FORMATS, export_checkpoint, is_export_dir
 
 PROG = "lmsys-export"

@@ -62,7 +62,7 @@ def _hydra_task(dcfg: DictConfig) -> None:
     header = job_header(dcfg)
     if header and os.environ.get("RANK", "0") == "0":
         print(f"{PROG}: {header}", flush=True)
-    from lmsys.training.trainer import train  # late: torch and DeepSpeed (PROG above)
+    from lmsys.training.run import train  # late: torch and DeepSpeed (PROG above)
 
     started = time.perf_counter()
     try:
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def plain_run() -> int:
         from lmsys.engine.zero import close_distributed  # late: torch and DeepSpeed (PROG above)
-        from lmsys.training.trainer import train
+        from lmsys.training.run import train
 
         try:
             train(compose(argv))  # composed once, here: a mistake is one line

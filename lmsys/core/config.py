@@ -59,6 +59,7 @@ from lmsys.core.model_config import (  # noqa: F401
 )
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repository's conf/
+ROOT_CONFIG = CONF_DIR / "config.yaml"  # its root config: the schema, the groups' defaults, Hydra's settings
 
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
@@ -196,25 +197,29 @@ class TrainerConfig:
     # CPU: measure the peak of the tensors (torch's profiler's allocator events, as CUDA's
     # max_memory_allocated) instead of the peak RSS; about 1.5 s more at startup and a slower step 1
     trace_memory: bool = False
-    # Fault injection for tests (leave empty in real runs): make the loss NaN at these steps,
-    # sleep this long after every step, make the last rank exit at this step on a first attempt,
-    # make the last rank send itself SIGTERM during this step (a preemption that reaches one rank),
-    # sleep this long inside every checkpoint save (its files written, before it is committed; in
-    # the background writer when trainer.async_save).
-    debug_nan_steps: list[int] = field(default_factory=list)
-    debug_step_delay_s: float = 0.0
-    debug_crash_at_step: int = 0
-    debug_signal_at_step: int = 0
-    debug_save_delay_s: float = 0.0
+
+
+@dataclass
+class DebugConfig:
+    """Fault injection for tests (lmsys/training/faults.py): the defaults inject nothing, leave them
+    in real runs."""
+
+    nan_steps: list[int] = field(default_factory=list)  # the loss is NaN at these steps
+    step_delay_s: float = 0.0  # every step sleeps this long after it
+    crash_at_step: int = 0  # the last rank exits at this step, on a first attempt
+    signal_at_step: int = 0  # the last rank sends itself SIGTERM (a preemption that reaches one rank)
+    # every checkpoint save sleeps this long with its files written, before it is committed (in the
+    # background writer under trainer.async_save)
+    save_delay_s: float = 0.0
     # "MODULE:PASS:rankR:stepS[:microM]", PASS forward | backward | weights: a NaN in that module's
-    # output, its input gradient, or (after the step) its weights (lmsys/training/faults.py)
-    debug_nonfinite_at: list[str] = field(default_factory=list)
-    debug_hang_step: int = 0  # the last rank hangs at the start of this step ...
-    debug_hang_how: str = "sleep"  # ... asleep, or frozen with SIGSTOP ("stop")
-    debug_break_kernel: str = ""  # the kernel self-check sees this kernel's output perturbed
+    # output, its input gradient, or (after the step) its weights
+    nonfinite_at: list[str] = field(default_factory=list)
+    hang_step: int = 0  # the last rank hangs at the start of this step ...
+    hang_how: str = "sleep"  # ... asleep, or frozen with SIGSTOP ("stop")
+    break_kernel: str = ""  # the kernel self-check sees this kernel's output perturbed
     # "WHERE:rankR:stepS", WHERE copy | replay: the diagnosis of bad step S runs out of memory on
-    # rank R, allocating its copy of the model or in its replay (lmsys/training/faults.py)
-    debug_replay_oom: list[str] = field(default_factory=list)
+    # rank R, allocating its copy of the model or in its replay
+    replay_oom: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -225,6 +230,7 @@ class Config:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
 
 def register_configs() -> None:
@@ -315,10 +321,10 @@ def validate(cfg: Config) -> Config:
         f"trainer.spike_factor={t.spike_factor} must be > 1 (0: off)",
     )
     require(t.spike_margin >= 0, f"trainer.spike_margin={t.spike_margin} must be >= 0 (0: off)")
-    _specs("trainer.debug_nonfinite_at", t.debug_nonfinite_at, NONFINITE_INJECTION,
+    _specs("debug.nonfinite_at", cfg.debug.nonfinite_at, NONFINITE_INJECTION,
            "MODULE:PASS:rankR:stepS[:microM] with PASS forward, backward or weights "
            "(e.g. blocks.1.attn:backward:rank1:step4)")  # fmt: skip
-    _specs("trainer.debug_replay_oom", t.debug_replay_oom, REPLAY_OOM_INJECTION,
+    _specs("debug.replay_oom", cfg.debug.replay_oom, REPLAY_OOM_INJECTION,
            "WHERE:rankR:stepS with WHERE copy or replay (e.g. copy:rank1:step3)")  # fmt: skip
     require(t.dist_timeout_s > 0, f"trainer.dist_timeout_s={t.dist_timeout_s} must be > 0")
     require(
@@ -327,9 +333,9 @@ def validate(cfg: Config) -> Config:
         f"{t.dist_timeout_s:g} (the watchdog names a stuck rank before the collective timeout ends the "
         "job), or 0 (off)",
     )
-    one_of("trainer.debug_hang_how", t.debug_hang_how, ("sleep", "stop"))
+    one_of("debug.hang_how", cfg.debug.hang_how, ("sleep", "stop"))
     kernel_names = ("", "attention", "layer_norm", "add_layer_norm", "linear_cross_entropy")
-    one_of("trainer.debug_break_kernel", t.debug_break_kernel, kernel_names)
+    one_of("debug.break_kernel", cfg.debug.break_kernel, kernel_names)
     require(
         compile_choice(t.compile) in COMPILE_CHOICES,
         f"trainer.compile={t.compile} is not valid; choose one of: {', '.join(COMPILE_CHOICES)}",
@@ -394,8 +400,20 @@ def hydra_error_line(exc: BaseException) -> str:
     if unknown:
         parent = full_key.rpartition(".")[0] if full_key else ""
         prefix = f"{parent}." if parent else ""
+        moved = moved_key(f"{prefix}{unknown.group(1)}")
+        if moved is not None:
+            return moved
         head += _did_you_mean(unknown.group(1), schema_keys(parent), prefix)
     return head
+
+
+def moved_key(key: str) -> str | None:
+    """For a key of the fault-injection group spelled under trainer (trainer.debug_nan_steps), the
+    line naming its key (debug.nan_steps); None for any other key."""
+    name = key.removeprefix("trainer.debug_")
+    if name != key and name in schema_keys("debug"):
+        return f"{key} is now debug.{name}"
+    return None
 
 
 def _did_you_mean(word: str, valid: list[str], prefix: str) -> str:
@@ -434,6 +452,10 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
     The public entry point used by every CLI and by outside checks. Raises ConfigError with one
     line naming the key for a misspelled key, a wrong type, or an invalid value.
     """
+    for override in overrides or []:
+        moved = moved_key(override.lstrip("+~").partition("=")[0])
+        if moved is not None:
+            raise ConfigError(moved)
     overrides = adopt_init_from([bracket_list_value(o) for o in overrides or []])
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
@@ -497,7 +519,7 @@ def export_model_config(directory: Path) -> dict[str, Any] | None:
 def config_groups() -> dict[str, tuple[list[str], str | None]]:
     """Each config group of conf/ -> (its choices, the default conf/config.yaml picks)."""
     defaults: dict[str, str] = {}
-    for entry in OmegaConf.load(CONF_DIR / "config.yaml").get("defaults", []):
+    for entry in OmegaConf.load(ROOT_CONFIG).get("defaults", []):
         if isinstance(entry, (DictConfig, dict)):
             for key, value in dict(entry).items():
                 if not str(key).startswith("override"):

@@ -68,10 +68,10 @@ from lmsys.core.files import (
     space_checked,
     tree_bytes,
 )
+from lmsys.core.rundir import CHECKPOINTS, CONFIG_FILE, RUN_FILE, EvalRecord, read_records, run_dir_of
 from lmsys.engine import zero_to_fp32
 from lmsys.engine.reshard import load_resharded
 from lmsys.engine.run_tokenizer import TOKENIZER_DIR, find_tokenizer
-from lmsys.engine.rundir import CHECKPOINTS, CONFIG_FILE, RUN_FILE, read_metrics, run_dir_of
 from lmsys.engine.zero import consolidated_state_dict, persistent_params_kept, safe_torch_load
 from lmsys.model.weights import model_state_dict
 
@@ -220,7 +220,7 @@ def save(
     """Save the checkpoint of `state.step` atomically (see the module docstring). Every rank calls
     this. rank_state: JSON-able, this rank's own (loader position, RNG states). warn: reports
     damaged checkpoints that pruning moves aside. pause_s: fault injection, a sleep while the
-    files are written but not committed (trainer.debug_save_delay_s). Returns the final
+    files are written but not committed (debug.save_delay_s). Returns the final
     checkpoint directory."""
     root = run_dir / CHECKPOINTS
     refuse_nonfinite(engine, state.step, root)
@@ -647,9 +647,9 @@ def provenance(ckpt: Checkpoint) -> dict[str, Any]:
     if ckpt.run_dir is not None:
         evals = [
             r
-            for r in read_metrics(ckpt.run_dir, "eval")
-            if isinstance(r.get("loss"), (int, float)) and r.get("step", state.step + 1) <= state.step
+            for r in read_records(ckpt.run_dir, EvalRecord)
+            if isinstance(r.loss, (int, float)) and r.step <= state.step
         ]
         if evals:
-            info["val_loss"], info["val_step"] = evals[-1]["loss"], evals[-1]["step"]
+            info["val_loss"], info["val_step"] = evals[-1].loss, evals[-1].step
     return info

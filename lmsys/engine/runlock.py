@@ -4,7 +4,7 @@ overwrite the first one's checkpoints and mix its metrics.jsonl rows.
 
     <run_dir>/run.lock      {"host": ..., "pid": ..., "since": ..., "slurm_job_id": ...}
 
-Rank 0 takes the lock before it writes anything into the run directory (lmsys.training.run_plan)
+Rank 0 takes the lock before it writes anything into the run directory (lmsys.training.preflight)
 and holds it until the process ends. Taking it is atomic: an exclusive `flock` on the file, which
 the kernel drops when its holder dies however it dies (kill -9 included), so a lock left by a dead
 process is taken over at once. The file's JSON names the holder, for the refusal line and for

@@ -1,7 +1,7 @@
 """DeepSpeed: the only module of lmsys that knows about ZeRO.
 
 Parallelism is applied to the single-device `Transformer` from outside, in this fixed order
-(the batch arithmetic before it is lmsys.core.runtime.batch_plan):
+(the batch arithmetic before it is lmsys.core.runtime.split_batch):
 
 1. `apply_activation_checkpointing`: each block's forward is wrapped in
    `torch.utils.checkpoint` (recomputed in the backward) when deepspeed.activation_checkpointing.
@@ -53,7 +53,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lmsys.core.config import Config, OptimConfig, compile_choice
 from lmsys.core.errors import CheckpointError
-from lmsys.core.runtime import BatchPlan
+from lmsys.core.runtime import BatchSplit
 from lmsys.engine.muon import build_muon, import_muon_lazily
 from lmsys.engine.quiet import quiet_overflow, skip_cpu_collectives_op, without_build_lines
 from lmsys.engine.zero_to_fp32 import safe_torch_load, weights_only
@@ -261,7 +261,7 @@ def build_optimizer(
 
 def deepspeed_config(
     cfg: Config,
-    plan: BatchPlan,
+    batch: BatchSplit,
     device: torch.device,
     precision: str,
     optimizer_section: dict[str, Any] | None = None,
@@ -290,9 +290,9 @@ def deepspeed_config(
             zero["reduce_scatter"] = False
         zero["stage3_prefetch_bucket_size"] = ds.allgather_bucket_size
     config: dict[str, Any] = {
-        "train_batch_size": plan.global_batch_sequences,
-        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
-        "gradient_accumulation_steps": plan.grad_accum,
+        "train_batch_size": batch.global_batch_sequences,
+        "train_micro_batch_size_per_gpu": batch.micro_batch_size,
+        "gradient_accumulation_steps": batch.grad_accum,
         "gradient_clipping": cfg.optim.grad_clip,
         "zero_optimization": zero,
         "bf16": {"enabled": precision == "bf16"},
@@ -331,7 +331,7 @@ class EngineInfo:
 
 
 def initialize(
-    model: nn.Module, cfg: Config, plan: BatchPlan, device: torch.device, precision: str
+    model: nn.Module, cfg: Config, batch: BatchSplit, device: torch.device, precision: str
 ) -> tuple[Any, EngineInfo, dict[str, Any]]:
     """Wrap the model into a DeepSpeed engine. Returns (engine, info, the DeepSpeed JSON).
 
@@ -351,7 +351,7 @@ def initialize(
     if compiled:  # before DeepSpeed wraps it (and registers its ZeRO-3 hooks)
         apply_compile(model, module, cfg.deepspeed.stage, strict=choice == "true")
     client_opt, opt_section, groups, opt_kind = build_optimizer(model, cfg, device, compiled)
-    ds_config = deepspeed_config(cfg, plan, device, precision, opt_section)
+    ds_config = deepspeed_config(cfg, batch, device, precision, opt_section)
     engine, _, _, _ = deepspeed.initialize(
         model=module,
         optimizer=client_opt,
@@ -363,7 +363,7 @@ def initialize(
         stage=cfg.deepspeed.stage,
         precision=precision,
         device=str(device),
-        world_size=plan.world_size,
+        world_size=batch.world_size,
         optimizer=opt_kind,
         activation_checkpointing=cfg.deepspeed.activation_checkpointing,
         offload_optimizer=cfg.deepspeed.offload_optimizer,

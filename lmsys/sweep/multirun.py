@@ -35,7 +35,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import open_dict, read_write
 
-from lmsys.core.config import CONF_DIR, compose, config_to_dict, flatten_dict, hydra_error_line
+from lmsys.core.config import CONF_DIR, ROOT_CONFIG, compose, config_to_dict, flatten_dict, hydra_error_line
 from lmsys.core.errors import ConfigError, DataError
 from lmsys.sweep.stats import check_baseline
 
@@ -262,7 +262,7 @@ SWEEP_DIR_KEY = "lmsys/sweep_dir"  # in torchrun's store: the sweep directory th
 
 def default_sweep_dir() -> str:
     """conf/config.yaml's hydra.sweep.dir with its `${now:FORMAT}` resolved to this moment."""
-    pattern = str(yaml.safe_load((CONF_DIR / "config.yaml").read_text())["hydra"]["sweep"]["dir"])
+    pattern = str(yaml.safe_load(ROOT_CONFIG.read_text())["hydra"]["sweep"]["dir"])
     now = datetime.now()
     return re.sub(r"\$\{now:([^}]*)\}", lambda m: now.strftime(m.group(1)), pattern)
 

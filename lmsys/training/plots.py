@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lmsys.engine.rundir import LOSS_PLOT_FILE, read_metrics
+from lmsys.core.rundir import LOSS_PLOT_FILE, EvalRecord, TrainRecord, read_records
 
 
 def pyplot() -> Any:
@@ -35,16 +35,16 @@ def steps_axis(ax: Any) -> None:
 
 def plot_losses(run_dir: str | Path) -> Path | None:
     """<run>/loss.png: training loss per step and validation loss, from metrics.jsonl."""
-    train = [r for r in read_metrics(run_dir, "train") if r.get("loss") is not None]
-    evals = [r for r in read_metrics(run_dir, "eval") if r.get("loss") is not None]
+    train = [r for r in read_records(run_dir, TrainRecord) if r.loss is not None]
+    evals = [r for r in read_records(run_dir, EvalRecord) if r.loss is not None]
     if not train and not evals:
         return None
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     if train:
-        ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", lw=1.2)
+        ax.plot([r.step for r in train], [r.loss for r in train], label="train loss", lw=1.2)
     if evals:
-        ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="validation loss", lw=1.2)
+        ax.plot([r.step for r in evals], [r.loss for r in evals], "o-", label="validation loss", lw=1.2)
     steps_axis(ax)
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(Path(run_dir).name)

@@ -42,7 +42,7 @@ def test_a_stuck_rank_ends_the_job_named_and_the_run_resumes(tiny, tmp_path):
     for how, run_dir in runs.items():  # both at once: their start-up overlaps
         command = launcher(
             "--nproc", "2", "--", *tiny, f"trainer.run_dir={run_dir}", f"trainer.hang_timeout_s={HANG_S}",
-            f"trainer.debug_hang_step={HANG_STEP}", f"trainer.debug_hang_how={how}",
+            f"debug.hang_step={HANG_STEP}", f"debug.hang_how={how}",
         )  # fmt: skip
         started[how] = subprocess.Popen(
             command, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

@@ -33,7 +33,7 @@ from tests.launch.conftest import (
 
 def wandb_groups(run_dir: Path) -> list[str]:
     """The W&B group of every offline run under run_dir/wandb."""
-    from lmsys.training.metrics import wandb_records
+    from tests.wandb_files import wandb_records
 
     groups = []
     for path in sorted(run_dir.glob("wandb/*run-*/run-*.wandb")):
@@ -287,7 +287,7 @@ def test_launch_sweep_runs_each_job_as_a_two_process_torchrun(tiny, one_node, tm
     to the uninterrupted losses, then runs job 1."""
     sweep_dir = tmp_path / "lr-sweep"
     command = [sys.executable, "-m", "launch.sweep", "--nproc", "2", "--sweep-dir", str(sweep_dir), "--"]
-    overrides = [*tiny, "logger=wandb_offline", "optim.lr=3e-3,1e-3", "trainer.debug_step_delay_s=0.5"]
+    overrides = [*tiny, "logger=wandb_offline", "optim.lr=3e-3,1e-3", "debug.step_delay_s=0.5"]
     stopped = preempt_during_first_job([*command, *overrides], sweep_dir)
     proc = run([*command, *overrides], timeout=400, env=child_env())
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -405,7 +405,7 @@ def test_lmsys_train_multirun_under_torchrun_has_one_sweep_dir(tiny, tmp_path):
     clocks straddle a second; the test above checks the agreement itself.)"""
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     command = [torchrun, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "--monitor-interval=0.5"]
-    command += ["-m", "lmsys.train", "-m", *tiny, "trainer.debug_crash_at_step=4", "optim.lr=3e-3,1e-3"]
+    command += ["-m", "lmsys.train", "-m", *tiny, "debug.crash_at_step=4", "optim.lr=3e-3,1e-3"]
     proc = run(command, timeout=400, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "rank 1 exits at step 4" in proc.stdout and "step_0000003 (step 3)" in proc.stdout

@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmsys.core.rundir import read_metrics
 from lmsys.engine import checkpoint as ckpt
-from lmsys.engine.rundir import read_metrics
 from tests.export.conftest import REPO_ROOT, TORCHRUN, child_env
 from tests.llama.conftest import PIECES
 from tests.model.test_llama_family import MUON_MATRICES
