@@ -80,6 +80,54 @@ def attention_reference(
 
 
 # ---------------------------------------------------------------------------------------------
+# The Llama family's pieces (SPEC section 11): RMS norm, rotary positions, grouped-query
+# attention's shared key/value heads
+# ---------------------------------------------------------------------------------------------
+
+
+def rms_norm_reference(
+    x: torch.Tensor,  # (..., N)
+    weight: torch.Tensor | None = None,  # (N,)
+    eps: float = 1e-6,
+) -> torch.Tensor:  # (..., N) in x's dtype
+    """x / sqrt(mean(x^2) + eps) * g: the statistics and the division in fp32 (float64 stays
+    float64), the result rounded to x's dtype before the gain multiplies it (transformers'
+    LlamaRMSNorm, so bf16 models round where theirs do). Differentiable by autograd."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(compute)
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
+    return normed if weight is None else weight * normed
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:  # (..., d) -> (..., d)
+    """(x1, x2) -> (-x2, x1) for the two halves of the last dimension: dimension i pairs with
+    i + d/2 (the half-split layout of transformers' Llama, not interleaved pairs)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_reference(
+    x: torch.Tensor,  # (B, H, T, d) queries or keys
+    cos: torch.Tensor,  # (T, d) or (B, T, d): cos(p * f_i) at both dimensions of pair i
+    sin: torch.Tensor,  # (T, d) or (B, T, d)
+) -> torch.Tensor:  # (B, H, T, d)
+    """x * cos + rotate_half(x) * sin: each pair (i, i + d/2) of a head rotated by the angle
+    p * f_i of its token's position p. cos/sin per row (B, T, d) give each row its positions."""
+    if cos.dim() == 3:  # one table per batch row: broadcast over the heads
+        cos, sin = cos[:, None], sin[:, None]
+    return x * cos + rotate_half(x) * sin
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:  # (B, Hkv, T, d) -> (B, Hkv * n_rep, T, d)
+    """Each key/value head repeated for the n_rep query heads of its group (head h reads key/value
+    head h // n_rep)."""
+    if n_rep == 1:
+        return x
+    b, h_kv, t, d = x.shape
+    return x[:, :, None].expand(b, h_kv, n_rep, t, d).reshape(b, h_kv * n_rep, t, d)
+
+
+# ---------------------------------------------------------------------------------------------
 # Linear cross-entropy: the loss of SPEC section 8 from hidden states and the unembedding
 # ---------------------------------------------------------------------------------------------
 #

@@ -51,12 +51,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `python launch/sweep.py` as well as `python -m launch.sweep`
     sys.path.insert(0, str(REPO_ROOT))
 
-from launch.torchrun import Plan, make_plan  # noqa: E402
+from launch.torchrun import JobLayout, job_layout  # noqa: E402
 from launch.torchrun import build_parser as launcher_parser  # noqa: E402
 from lmsys.cli import run_cli  # noqa: E402
 from lmsys.core.console import warn  # noqa: E402
 from lmsys.core.errors import EXIT_REQUEUE, EXIT_STUCK_RANK, ConfigError, Stopped, UsageError  # noqa: E402
 from lmsys.core.files import atomic_write_text  # noqa: E402
+from lmsys.core.rundir import hang_line_file  # noqa: E402
 from lmsys.sweep.multirun import SWEEP_FILE, check_jobs, expand_sweep, sweep_name  # noqa: E402
 from lmsys.sweep.summary import summarize  # noqa: E402
 from lmsys.training.stopping import RESUME_COMMAND_ENV  # noqa: E402
@@ -78,13 +79,13 @@ def _key(override: str) -> str:
     return override.lstrip("+~").split("=", 1)[0]
 
 
-def launch_plan(nproc: int | None, launcher_args: list[str]) -> Plan | None:
+def launch_layout(nproc: int | None, launcher_args: list[str]) -> JobLayout | None:
     """What launch/torchrun.py will do for every job (None: one plain process per job); checked
     before the first job starts, so bad launcher options or environment fail at once."""
     if nproc == 1 and not launcher_args:
         return None
     nproc_args = [] if nproc is None else ["--nproc", str(nproc)]
-    return make_plan(launcher_parser().parse_args([*nproc_args, *launcher_args]), os.environ)
+    return job_layout(launcher_parser().parse_args([*nproc_args, *launcher_args]), os.environ)
 
 
 def job_command(
@@ -92,22 +93,22 @@ def job_command(
     num: int,
     nproc: int | None,
     launcher_args: list[str],
-    plan: Plan | None,
+    layout: JobLayout | None,
     run_dir: Path,
     group: str | None,
 ) -> list[str]:
     overrides = [*job, f"trainer.run_dir={run_dir}"]
     if group is not None:
         overrides.append(f"logger.group={group}")
-    if plan is None:
+    if layout is None:
         return [sys.executable, "-m", "lmsys.train", *overrides]
     nproc_args = [] if nproc is None else ["--nproc", str(nproc)]
     rdzv_args = []
-    if plan.rdzv_id is not None:
+    if layout.rdzv_id is not None:
         # torchrun closes a c10d rendezvous when its run ends: each multi-node job needs an id of its
         # own, the same on every node (derived from the one launch/torchrun.py would pick).
         launcher_args = _drop_option(launcher_args, "--rdzv-id")
-        rdzv_args = ["--rdzv-id", f"{plan.rdzv_id}-job{num}"]
+        rdzv_args = ["--rdzv-id", f"{layout.rdzv_id}-job{num}"]
     return [sys.executable, str(TORCHRUN), *nproc_args, *launcher_args, *rdzv_args, "--", *overrides]
 
 
@@ -201,21 +202,22 @@ def _split_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[st
 
 def _check(
     args: argparse.Namespace, launcher_args: list[str], overrides: list[str]
-) -> tuple[Plan | None, list]:
-    """Everything checkable before the first job: the launcher options, every job's config."""
+) -> tuple[JobLayout | None, list]:
+    """Everything checkable before the first job: the launcher options, every job's config, the
+    summary's --baseline (in --dry-run too)."""
     if any(_key(o) in RESERVED for o in overrides):
         raise ConfigError(
             "trainer.run_dir is set per job (<sweep_dir>/<job number>); use --sweep-dir instead"
         )
-    plan = launch_plan(args.nproc, launcher_args)
-    if plan is not None and plan.nnodes > 1 and not args.sweep_dir:
+    layout = launch_layout(args.nproc, launcher_args)
+    if layout is not None and layout.nnodes > 1 and not args.sweep_dir:
         raise ConfigError(
-            f"a sweep over {plan.nnodes} nodes needs --sweep-dir, the same on every node "
+            f"a sweep over {layout.nnodes} nodes needs --sweep-dir, the same on every node "
             "(on a shared filesystem)"
         )
     jobs = expand_sweep(overrides)
-    check_jobs(jobs, world_size=1 if plan is None else plan.nproc * plan.nnodes)
-    return plan, jobs
+    check_jobs(jobs, world_size=1 if layout is None else layout.nproc * layout.nnodes, baseline=args.baseline)
+    return layout, jobs
 
 
 def _open_index(sweep_dir: Path, group: str | None, overrides: list[str], jobs: list) -> dict:
@@ -241,7 +243,7 @@ def _open_index(sweep_dir: Path, group: str | None, overrides: list[str], jobs: 
 
 def _stuck_line(entry: dict) -> str | None:
     """The hang watchdog's line of a job it ended (lmsys/training/watchdog.py writes it)."""
-    path = Path(entry["run_dir"]) / "diagnostics" / "hang.txt"
+    path = hang_line_file(Path(entry["run_dir"]))
     return path.read_text(encoding="utf-8").strip() if path.is_file() else None
 
 
@@ -318,14 +320,14 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> int:
         args, launcher_args, overrides = _split_args(argv)
-        plan, jobs = _check(args, launcher_args, overrides)
+        layout, jobs = _check(args, launcher_args, overrides)
         # Every node runs every job; node 0 alone keeps sweep.json and writes the summary.
-        primary = plan is None or plan.node_rank == 0
+        primary = layout is None or layout.node_rank == 0
         sweep_dir = Path(args.sweep_dir or f"runs/sweep-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
         given_group = any(_key(o) == "logger.group" for o in overrides)
         group = None if given_group else (args.name or sweep_name(sweep_dir))
         commands = [
-            job_command(job, i, args.nproc, launcher_args, plan, sweep_dir / str(i), group)
+            job_command(job, i, args.nproc, launcher_args, layout, sweep_dir / str(i), group)
             for i, job in enumerate(jobs)
         ]
         if args.dry_run:

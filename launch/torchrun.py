@@ -98,7 +98,9 @@ class LaunchError(LmsysError):
 
 
 @dataclass(frozen=True)
-class Plan:
+class JobLayout:
+    """What the launcher starts where: torchrun's processes on this node, the nodes, the rendezvous."""
+
     nproc: int
     nproc_source: str
     nnodes: int
@@ -249,7 +251,7 @@ def is_this_machine(host: str) -> bool:
     return any(a.startswith("127.") or a == "::1" or _can_bind(a) for a in addresses)
 
 
-def make_plan(args: argparse.Namespace, env: Mapping[str, str]) -> Plan:
+def job_layout(args: argparse.Namespace, env: Mapping[str, str]) -> JobLayout:
     nproc, nproc_source = resolve_nproc(args.nproc, env)
     in_slurm = bool(env.get("SLURM_JOB_ID"))
     slurm_nodes_text = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
@@ -319,7 +321,7 @@ def make_plan(args: argparse.Namespace, env: Mapping[str, str]) -> Plan:
                 f"{nnodes} nodes need a rendezvous endpoint: --rdzv-endpoint host:port, RDZV_ENDPOINT, or "
                 "MASTER_ADDR and MASTER_PORT (the host of node 0)"
             )
-        return Plan(
+        return JobLayout(
             nproc, nproc_source, 1, 0, None, None, None, timeout_s, max_restarts, args.module, shutdown_s
         )
 
@@ -332,7 +334,7 @@ def make_plan(args: argparse.Namespace, env: Mapping[str, str]) -> Plan:
     )
     rdzv_id = id_src[1] if id_src else "lmsys-" + re.sub(r"[^A-Za-z0-9]+", "-", endpoint).strip("-")
     hosts_store = node_rank == 0 and is_this_machine(host)
-    return Plan(
+    return JobLayout(
         nproc,
         nproc_source,
         nnodes,
@@ -458,11 +460,13 @@ def _patient_signals(elastic_api: Any) -> None:
 
 class _QuietShutdown(logging.Filter):
     """torchrun logs every signal it passes on ("Received SIGTERM death signal, shutting down
-    workers", "Sending process N closing signal SIGTERM"): the workers say what happens, once."""
+    workers", "Sending process N closing signal SIGTERM") and every worker that failed ("failed
+    (exitcode: 2) local_rank: 0 (pid: N) of binary: ..."): the workers say what happens, once,
+    and the launcher's own line names the worker that failed."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return "death signal" not in message and "closing signal" not in message
+        return not any(said in message for said in ("death signal", "closing signal", "failed (exitcode"))
 
 
 def _stopped(code: int, by: str) -> int:
@@ -486,7 +490,7 @@ def check_training_config(overrides: list[str], world_size: int, nnodes: int = 1
     preflight(cfg, world_size, data="required" if nnodes == 1 else "if_present")
 
 
-def run_torchrun(plan: Plan, overrides: list[str]) -> int:
+def run_torchrun(layout: JobLayout, overrides: list[str]) -> int:
     """torchrun in this process (its agent handles signals itself); the exit status to leave with."""
     # torch is imported only here: --help, --dry-run and every argument check answer without it.
     from torch.distributed.elastic.multiprocessing import api as elastic_api
@@ -500,7 +504,7 @@ def run_torchrun(plan: Plan, overrides: list[str]) -> int:
     )
     from torch.distributed.run import get_args_parser, run
 
-    args = get_args_parser().parse_args(plan.torchrun_args(overrides))
+    args = get_args_parser().parse_args(layout.torchrun_args(overrides))
     for name in ("agent.server.api", "multiprocessing.api"):
         logging.getLogger(f"torch.distributed.elastic.{name}").addFilter(_QuietShutdown())
 
@@ -509,7 +513,7 @@ def run_torchrun(plan: Plan, overrides: list[str]) -> int:
     def say(line: str) -> None:
         print(f"{PROG}: warning: {line}", file=sys.stderr, flush=True)
 
-    relay = HangRelay.start(say if plan.max_restarts > 0 else None)
+    relay = HangRelay.start(say if layout.max_restarts > 0 else None)
     try:
         _patient_signals(elastic_api)
         run(args)
@@ -525,7 +529,7 @@ def run_torchrun(plan: Plan, overrides: list[str]) -> int:
             how, code = f"was killed by signal {-failure.exitcode}", 128 - failure.exitcode
         else:
             how, code = f"exited with status {failure.exitcode}", failure.exitcode
-        retries = f" after {plan.max_restarts} restart(s)" if plan.max_restarts else ""
+        retries = f" after {layout.max_restarts} restart(s)" if layout.max_restarts else ""
         print(
             f"{PROG}: error: worker rank {rank} (pid {failure.pid}) {how}{retries}",
             file=sys.stderr,
@@ -534,19 +538,20 @@ def run_torchrun(plan: Plan, overrides: list[str]) -> int:
         return min(max(code, 1), 255)
     except RendezvousTimeoutError:
         raise LaunchError(
-            f"rendezvous {plan.endpoint} (id {plan.rdzv_id}) timed out after {plan.timeout_s:g} s: not all "
-            f"{plan.nnodes} nodes joined; start every node with the same endpoint, id and node count",
+            f"rendezvous {layout.endpoint} (id {layout.rdzv_id}) timed out after {layout.timeout_s:g} s: "
+            f"not all {layout.nnodes} nodes joined; start every node with the same endpoint, id and node "
+            "count",
             EXIT_RENDEZVOUS,
         ) from None
     except RendezvousConnectionError:
         raise LaunchError(
-            f"lost or could not open the connection to the rendezvous store at {plan.endpoint}",
+            f"lost or could not open the connection to the rendezvous store at {layout.endpoint}",
             EXIT_RENDEZVOUS,
         ) from None
     except RendezvousClosedError:
         raise LaunchError(
-            f"rendezvous {plan.rdzv_id} at {plan.endpoint} is already closed (a finished run used this id); "
-            "pass another --rdzv-id",
+            f"rendezvous {layout.rdzv_id} at {layout.endpoint} is already closed (a finished run used this "
+            "id); pass another --rdzv-id",
             EXIT_RENDEZVOUS,
         ) from None
     except RendezvousError as exc:
@@ -607,27 +612,27 @@ def main(argv: list[str] | None = None) -> int:
         overrides = overrides[1:]
 
     def body() -> int:
-        plan = make_plan(args, os.environ)
-        if plan.module == "lmsys.train" and not any(o.startswith("-") for o in overrides):
-            check_training_config(overrides, plan.nproc * plan.nnodes, plan.nnodes)
-        command = [sys.executable, "-m", "torch.distributed.run", *plan.torchrun_args(overrides)]
-        print(f"{PROG}: {plan.describe()}", flush=True)
+        layout = job_layout(args, os.environ)
+        if layout.module == "lmsys.train" and not any(o.startswith("-") for o in overrides):
+            check_training_config(overrides, layout.nproc * layout.nnodes, layout.nnodes)
+        command = [sys.executable, "-m", "torch.distributed.run", *layout.torchrun_args(overrides)]
+        print(f"{PROG}: {layout.describe()}", flush=True)
         if args.dry_run:
             print(shlex.join(command), flush=True)
             return 0
-        if plan.endpoint is not None:
-            if plan.hosts_store:
-                check_port_free(plan.endpoint)
+        if layout.endpoint is not None:
+            if layout.hosts_store:
+                check_port_free(layout.endpoint)
             else:
                 started = time.monotonic()
-                wait_for_endpoint(plan.endpoint, plan.timeout_s)
-                check_store_answers(plan.endpoint, plan.timeout_s - (time.monotonic() - started))
-        os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(plan.nproc)))
+                wait_for_endpoint(layout.endpoint, layout.timeout_s)
+                check_store_answers(layout.endpoint, layout.timeout_s - (time.monotonic() - started))
+        os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(layout.nproc)))
         # what a worker stopped by a signal names as the command that continues the run
         os.environ.setdefault(
             LAUNCH_COMMAND_ENV, shlex.join(["python", "-m", "launch.torchrun", *launch_argv])
         )
-        return run_torchrun(plan, overrides)
+        return run_torchrun(layout, overrides)
 
     return run_cli(PROG, body)
 

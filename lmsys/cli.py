@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lmsys.core.choices import COMPILE_CHOICES, DTYPE_NAMES
+from lmsys.core.choices import COMPILE_CHOICES, DTYPE_NAMES, KERNEL_CHOICES
 from lmsys.core.console import is_reporting_rank, report_error, set_command
 from lmsys.core.errors import LmsysError, UsageError
 from lmsys.core.files import os_error_line
@@ -130,11 +130,18 @@ DTYPE_OPTION = Option("dtype", "choice", "fp32", "compute dtype", DTYPE_NAMES)
 COMPILE_OPTION = Option(
     "compile", "choice", "auto", "torch.compile the model: auto (on CUDA), true, false", COMPILE_CHOICES
 )
+KERNELS_OPTION = Option(
+    "kernels",
+    "choice",
+    None,
+    "Triton kernels or torch ops: auto (Triton on CUDA), triton, torch (default: the model's model.kernels)",
+    KERNEL_CHOICES,
+)
 TOKENIZER_OPTION = Option(
     "tokenizer", "str", None, "tokenizer file for a checkpoint (default: found from its data.dir)"
 )
 # What every command that loads a model for inference takes (lmsys-generate, lmsys-eval).
-MODEL_LOADING_OPTIONS = [COMPILE_OPTION, DEVICE_OPTION, DTYPE_OPTION, TOKENIZER_OPTION]
+MODEL_LOADING_OPTIONS = [COMPILE_OPTION, DEVICE_OPTION, DTYPE_OPTION, KERNELS_OPTION, TOKENIZER_OPTION]
 
 
 # ----------------------------------------------------------------------------- reporting

@@ -36,9 +36,9 @@ import torch
 from lmsys.cli import MODEL_LOADING_OPTIONS, Option, parse_options, run_cli
 from lmsys.core.console import warn
 from lmsys.core.errors import LmsysError, UsageError
+from lmsys.core.rundir import CHECKPOINTS, EVAL_PLOT_FILE
 from lmsys.core.runtime import resolve_device, resolve_dtype
 from lmsys.engine.checkpoint import list_checkpoints, resolve
-from lmsys.engine.rundir import CHECKPOINTS, EVAL_PLOT_FILE
 from lmsys.inference.evaluation import EvalError, EvalResult, evaluate_source, pick_source
 from lmsys.inference.lengths import choose_window
 from lmsys.interop.exports import load_model
@@ -90,7 +90,9 @@ def _compiling(opts: dict, device: torch.device):
 
 def _evaluate_model(opts: dict, device: torch.device, dtype: torch.dtype) -> None:
     path = Path(opts["model"])
-    model, tok, meta = load_model(path, device, dtype, opts["tokenizer"], warn=lambda m: warn(PROG, m))
+    model, tok, meta = load_model(
+        path, device, dtype, opts["tokenizer"], warn=lambda m: warn(PROG, m), kernels=opts["kernels"]
+    )
     prepare_kernels(model.cfg.kernels, device, next(model.parameters()).dtype)
     source = pick_source(opts, meta.get("train_config"))
     opts = {**opts, "seq_len": choose_window(opts["seq_len"], model.cfg, meta, lambda m: warn(PROG, m))}
@@ -123,10 +125,11 @@ def _evaluate_run(opts: dict, device: torch.device, dtype: torch.dtype) -> None:
     with _compiling(opts, device) as compile_model:  # every checkpoint's model: one graph serves all
         for tag_dir in tags:
             try:
-                model, tok, meta = load_model(tag_dir, device, dtype, opts["tokenizer"])
+                loaded = load_model(tag_dir, device, dtype, opts["tokenizer"], kernels=opts["kernels"])
             except LmsysError as exc:
                 warn(PROG, f"skipping {tag_dir.name}: {exc}")
                 continue
+            model, tok, meta = loaded
             prepare_kernels(model.cfg.kernels, device, next(model.parameters()).dtype)
             result = evaluate_source(model, tok, source, opts, full_batches=compile_model(model))
             row = {"step": int(meta.get("step") or 0), "checkpoint": tag_dir.name, **result.as_dict()}
@@ -162,7 +165,7 @@ def _evaluate_harness(opts: dict) -> None:
             f"harness={opts['harness']!r} names no task; give lm_eval task names, comma-separated"
         )
     settings = {"batch_size": opts["batch_size"], "max_length": opts["seq_len"], "device": opts["device"]}
-    settings.update(dtype=opts["dtype"], tokenizer=opts["tokenizer"])
+    settings.update(dtype=opts["dtype"], tokenizer=opts["tokenizer"], kernels=opts["kernels"])
     model_args = {key: value for key, value in settings.items() if value is not None}
     results = harness.run_tasks(
         opts["model"], tasks, opts["include_path"], opts["num_fewshot"], opts["limit"], model_args

@@ -3,7 +3,7 @@
     python -m lmsys.export runs/tiny-20250101-120000          # newest checkpoint -> <run>/export
     python -m lmsys.export checkpoint=runs/tiny-20250101-120000 out=exports/tiny
     python -m lmsys.export checkpoint=runs/x/checkpoints/step_0000500 out=exports/x dtype=bf16
-    python -m lmsys.export checkpoint=runs/x out=exports/x-hf format=hf      # GPT-2-shaped models
+    python -m lmsys.export checkpoint=runs/x out=exports/x-hf format=hf      # GPT-2 and Llama-family models
     python -m lmsys.export checkpoint=exports/x out=exports/x-hf format=hf   # an export, converted
 
 `checkpoint=` is a run directory or its `checkpoints/` directory (its newest complete, intact
@@ -17,6 +17,10 @@ a pickle.
 
 The format, and how it is written and loaded: lmsys/interop/exports.py.
 
+format=hf writes the transformers architecture of the model's function: GPT2LMHeadModel, or for
+the Llama family LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or MistralForCausalLM (an
+import keeps its own; lmsys/interop/hf_llama.py).
+
 Errors (a missing or corrupt checkpoint, a mismatching file, a config that format=hf cannot
 express) print one line `lmsys-export: error: ...` on stderr and exit 2.
 """
@@ -29,9 +33,9 @@ from pathlib import Path
 
 from lmsys.cli import Option, parse_options, run_cli
 from lmsys.core.errors import UsageError
+from lmsys.core.rundir import EXPORT_DIR
 from lmsys.core.runtime import DTYPES, resolve_dtype
 from lmsys.engine.checkpoint import resolve
-from lmsys.engine.rundir import EXPORT_DIR
 from lmsys.interop.exports import FORMATS, export_checkpoint, is_export_dir
 
 PROG = "lmsys-export"
@@ -50,7 +54,7 @@ OPTIONS = [
         "format",
         "choice",
         "lmsys",
-        "lmsys: safetensors + config.json; hf: GPT2LMHeadModel directory",
+        "lmsys: safetensors + config.json; hf: transformers directory (GPT-2, Llama, Qwen2, Qwen3, Mistral)",
         FORMATS,
     ),
     Option("dtype", "choice", "fp32", "dtype of the stored weights", tuple(DTYPES)),

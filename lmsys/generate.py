@@ -197,9 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                 label = "the prompt" if len(texts) == 1 else f"prompt {i + 1}"
                 raise GenerationError(f"{label} is empty: give at least one character of text to continue")
         device = resolve_device(opts["device"])
-        model, tok, meta = load_model(
-            opts["model"], device, resolve_dtype(opts["dtype"]), opts["tokenizer"], warn=warn
-        )
+        dtype, tokenizer, kernels = resolve_dtype(opts["dtype"]), opts["tokenizer"], opts["kernels"]
+        model, tok, meta = load_model(opts["model"], device, dtype, tokenizer, warn=warn, kernels=kernels)
         prepare_kernels(model.cfg.kernels, device, next(model.parameters()).dtype)
         use_cache = opts["cache"]
         if use_cache and not cache_supported(model.cfg):

@@ -15,16 +15,21 @@ Settings (Hydra overrides `key=value`; conf/data/default.yaml, lmsys/core/config
   data.text_field=text                      the .jsonl field holding a document
   data.val_fraction=0.05                    share of documents held out for validation
   data.tokenizer_sample_bytes=20000000      bound on the tokenizer training sample
-  data.on_decode_error=error|skip           undecodable UTF-8: stop, or skip that document
+  data.on_decode_error=error|skip           undecodable text: stop, or skip that document
+  data.encoding=utf-8                       of the text files: latin-1, cp1252, utf-16, ...
+  data.suffixes=[.py,.pyi]                  what a directory contributes: exactly these suffixes
   data.num_workers=0                        encoding threads (0: all cores)
   data.shard_tokens=50000000                tokens per shard file
-  data.seed=1234  data.overwrite=false
+  data.seed=1234
+  data.overwrite=false                      true: replace a data.dir prepared from other sources or
+                                            settings (never replaced otherwise)
 
 The steps, the split rule and how nothing half-written is left: lmsys/data/preparation.py.
 
 Errors (bad config, bad data) print one line `lmsys-prepare: error: ...` on stderr and exit 2:
-a missing or empty input, undecodable bytes (file and byte offset), a `data.tokenizer` whose
-vocabulary is not `model.vocab_size`, a `data.dir` whose shards were made by another tokenizer,
+a missing or empty input, undecodable bytes (file and byte offset) or a file in another encoding
+(named, with the data.encoding hint), a `data.tokenizer` whose vocabulary is not
+`model.vocab_size`, a `data.dir` prepared from other sources or settings (what differs),
 `data.seq_len` longer than the model's positions, an unknown key or bad value.
 """
 

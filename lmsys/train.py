@@ -15,17 +15,19 @@ NaN steps) exits 1.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
+import traceback
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from lmsys.cli import flag_as_override, run_cli
-from lmsys.core.config import CONF_DIR, compose, config_keys, to_config
+from lmsys.core.config import CONF_DIR, adopt_init_from, compose, config_keys, to_config
 from lmsys.core.console import one_line, report_error
-from lmsys.core.errors import EXIT_REQUEUE, LmsysError, Stopped
+from lmsys.core.errors import EXIT_REQUEUE, LmsysError, Stopped, TrainingError
 from lmsys.sweep.multirun import (
     check_multirun,
     in_multirun,
@@ -60,7 +62,7 @@ def _hydra_task(dcfg: DictConfig) -> None:
     header = job_header(dcfg)
     if header and os.environ.get("RANK", "0") == "0":
         print(f"{PROG}: {header}", flush=True)
-    from lmsys.training.trainer import train  # late: torch and DeepSpeed (PROG above)
+    from lmsys.training.run import train  # late: torch and DeepSpeed (PROG above)
 
     started = time.perf_counter()
     try:
@@ -111,6 +113,38 @@ def die_with_launcher() -> None:
         os._exit(1)
 
 
+# How gloo and NCCL word a collective whose peer process is gone
+_PEER_GONE = (
+    "closed by peer",
+    "reset by peer",
+    "broken pipe",
+    "remote process exited",
+    "communicator was aborted",
+)
+
+
+def lost_peer(exc: BaseException) -> str | None:
+    """The line of a rank whose collective failed because another rank of the job is gone
+    (killed, crashed): raised inside torch.distributed in a job of several ranks, in the words
+    gloo and NCCL use for a lost peer (_PEER_GONE). None for any other error, which keeps its
+    traceback. The launcher's own line names the rank that failed."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return None
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = next(
+        (f for f in reversed(frames) if "torch/distributed/" in f.filename.replace(os.sep, "/")), None
+    )
+    text = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(str(exc).split()))  # gloo's source location
+    gone = type(exc).__name__ == "DistNetworkError" or any(p in text.lower() for p in _PEER_GONE)
+    if where is None or not gone:
+        return None
+    reason = text.split(". ")[0] or type(exc).__name__
+    return (
+        f"rank {os.environ.get('RANK', '0')}: another rank left the job: {where.name} failed "
+        f"({reason}); the launcher's line names the rank that failed"
+    )
+
+
 def _is_plain_run(argv: list[str]) -> bool:
     """Only overrides (no Hydra flags such as -m, --cfg, --help)."""
     return not any(arg.startswith("-") for arg in argv)
@@ -125,12 +159,17 @@ def main(argv: list[str] | None = None) -> int:
 
     def plain_run() -> int:
         from lmsys.engine.zero import close_distributed  # late: torch and DeepSpeed (PROG above)
-        from lmsys.training.trainer import train
+        from lmsys.training.run import train
 
         try:
             train(compose(argv))  # composed once, here: a mistake is one line
         except Stopped as stop:  # saved after a signal: already said in one line
             return stop.exit_code
+        except RuntimeError as exc:
+            lost = lost_peer(exc)
+            if lost is None:
+                raise
+            raise TrainingError(lost) from None
         finally:
             close_distributed()
         return 0
@@ -155,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         if status:
             return status
         argv = shared_sweep_dir(argv)  # under torchrun: one sweep directory for all ranks
-    sys.argv = [sys.argv[0] if sys.argv else PROG, *argv]
+    # model.init_from=DIR alone: the export's model as the preset, for Hydra's own composition too
+    sys.argv = [sys.argv[0] if sys.argv else PROG, *adopt_init_from(argv)]
     _hydra_task()
     if FAILED_JOBS:  # each said why in its line; the summary marks them
         numbers = ", ".join(str(n) for n, _ in FAILED_JOBS)

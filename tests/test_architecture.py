@@ -14,7 +14,9 @@
   the tools;
 - Triton's interpreter switch (the TRITON_INTERPRET variable, triton.knobs' interpreter flag) is
   read and set in kernels/runtime.py alone;
-- no package directory holds more than 15 modules.
+- no package directory holds more than 15 modules;
+- one owner of the run directory (lmsys/core/rundir.py): no other module of lmsys/ or launch/ spells
+  a run file's name or a metrics.jsonl record's field.
 """
 
 from __future__ import annotations
@@ -329,3 +331,119 @@ def test_package_sizes():
             if len(modules) > MAX_PACKAGE_MODULES:
                 crowded[str(directory.relative_to(REPO))] = len(modules)
     assert crowded == {}
+
+
+# ----------------------------------------------------------------------------- the run directory's one owner
+
+RUN_DIR_OWNER = "lmsys.core.rundir"
+# Every file and directory of a run, named by the owner's constants and spelled nowhere else.
+RUN_FILE_NAMES = [
+    "config.yaml",
+    "run.json",
+    "deepspeed.json",
+    "engine_stats.json",
+    "metrics.jsonl",
+    "loss.png",
+    "eval.png",
+    "checkpoints",
+    "wandb",
+    "diagnostics",
+    "hang.txt",
+    "skipped-data.json",
+]
+# The beginnings of the names the owner makes from a rank or a step (hang-rank-<K>.txt, ...).
+RUN_FILE_PREFIXES = ["hang-rank-", "nonfinite-step-", "divergence-step-"]
+# A name that is also a word of other formats or messages is not looked for, nor is a record field
+# that another format names alike.
+SHARED_WORDS = {
+    "export": "a word of interop's messages",
+    "kind": "a field of many formats (a bad step's report, a shard's source)",
+    "step": "a field of every format that counts steps (checkpoints, the loader's state)",
+    "loss": "a bad step's report, lmsys-eval's results",
+    "lr": "the optimizer's param groups",
+    "path": "an export's and the harness's metadata",
+    "seconds": "the sweep's job records, timings of lmsys-prepare",
+    "tokens": "the prepared data's manifest",
+    "skipped": "the corpus scan's counts",
+    "async": "the checkpoint benchmark's rows",
+    "grad_norm": "a bad step's report",
+    "ppl": "lmsys-eval's results",
+    "mfu": "lmsys-plan's prediction",
+    "tokens_per_s": "lmsys-plan's prediction, the sweep summary's columns",
+    "step_time_s": "lmsys-plan's prediction",
+}
+# The tools (tools/bench's benchmarks) read the raw lines of metrics.jsonl (read_metrics) field by
+# field, and clean a run's checkpoints by name: outside these two checks, as the kernels are.
+BENCHMARKS = ("tools",)
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    bodies = (n for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef)))
+    return {
+        id(n.body[0].value)
+        for n in bodies
+        if n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)
+    }
+
+
+def _spelled(names: set[str], prefixes: list[str], skip: tuple[str, ...] = BENCHMARKS) -> list[str]:
+    """module:line: 'literal' for every string literal of lmsys/ and launch/ (docstrings aside)
+    outside the owner that is one of `names` or, in an f-string, begins with one of `prefixes`."""
+    found = []
+    for name, tree in TREES.items():
+        if name == RUN_DIR_OWNER or name.startswith(("kernels", *skip)):
+            continue
+        docstrings = _docstrings(tree)
+        in_fstrings = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
+        for node in ast.walk(tree):
+            if (
+                not isinstance(node, ast.Constant)
+                or not isinstance(node.value, str)
+                or id(node) in docstrings
+            ):
+                continue
+            text = node.value
+            if text in names or (id(node) in in_fstrings and text.startswith(tuple(prefixes))):
+                found.append(f"{name}:{node.lineno}: {text!r}")
+    return found
+
+
+def test_the_run_file_names_are_the_owners():
+    from lmsys.core import rundir
+
+    constants = {v for k, v in vars(rundir).items() if k.isupper() and isinstance(v, str)}
+    assert set(RUN_FILE_NAMES) <= constants, set(RUN_FILE_NAMES) - constants
+    assert str(rundir.hang_stacks_file(REPO, 3)).endswith("/" + RUN_FILE_PREFIXES[0] + "3.txt")
+    assert rundir.bad_step_report_file(REPO, "diverging", 7).name.startswith(RUN_FILE_PREFIXES[2])
+    # conf/'s root config is also called config.yaml: lmsys.core.config names it (ROOT_CONFIG)
+    spelled = _spelled(set(RUN_FILE_NAMES), RUN_FILE_PREFIXES)
+    assert [s for s in spelled if not s.startswith("lmsys.core.config:")] == []
+
+
+def test_no_module_but_the_owner_spells_a_metrics_record_field():
+    import dataclasses
+
+    from lmsys.core import rundir
+
+    fields = {"kind"} | {
+        f.metadata.get(rundir.JSON_NAME, f.name)
+        for r in rundir.RECORDS.values()
+        for f in dataclasses.fields(r)
+    }
+    assert set(SHARED_WORDS) - {"export"} <= fields  # no stale entry
+    distinctive = fields - set(SHARED_WORDS)
+    assert {"measured_peak_bytes", "stall_s", "elapsed_s", "memory_gb"} <= distinctive
+    assert _spelled(distinctive, []) == []
+
+
+def test_the_owner_check_sees_a_spelled_name():
+    tree = ast.parse('path = run_dir / "metrics.jsonl"\nrow["stall_s"]\nname = f"hang-rank-{rank}.txt"\n')
+    TREES["lmsys.fake_module"] = tree
+    try:
+        assert [s for s in _spelled({"metrics.jsonl", "stall_s"}, RUN_FILE_PREFIXES) if "fake" in s] == [
+            "lmsys.fake_module:1: 'metrics.jsonl'",
+            "lmsys.fake_module:2: 'stall_s'",
+            "lmsys.fake_module:3: 'hang-rank-'",
+        ]
+    finally:
+        del TREES["lmsys.fake_module"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
+import json
 import re
 import typing
 from dataclasses import dataclass, field
@@ -25,19 +25,42 @@ from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
+from safetensors import safe_open
 
-from lmsys.core.choices import COMPILE_CHOICES
+from lmsys.core.choices import COMPILE_CHOICES, text_encoding
 from lmsys.core.errors import ConfigError
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repository's conf/
+# The model's schema, widths and validation live in model_config.py; imported from here by the rest.
+from lmsys.core.model_config import (  # noqa: F401
+    ACTIVATIONS,
+    BLOCK_KINDS,
+    HF_MODEL_TYPES,
+    KERNEL_CHOICES,
+    LOSS_IMPLS,
+    NORM_FORMULAS,
+    POSITION_KINDS,
+    ROPE_SCALINGS,
+    SOFTMAX_KINDS,
+    AttentionConfig,
+    FFNConfig,
+    ModelConfig,
+    ModelDims,
+    NormConfig,
+    PositionsConfig,
+    RopeScalingConfig,
+    autoregressive,
+    context_prefix,
+    model_dims,
+    one_of,
+    require,
+    tokenizer_size,
+    tokens_per_sample,
+    validate_model,
+)
 
-POSITION_KINDS = ("learned", "sinusoidal", "fourier_T", "none")
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "leaky_relu")
-NORM_FORMULAS = ("sqrt_var_eps", "std_plus_eps", "exact", "none")
-BLOCK_KINDS = ("none", "pre", "post", "parallel")
-SOFTMAX_KINDS = ("row", "matrix")
-KERNEL_CHOICES = ("auto", "triton", "torch")
-LOSS_IMPLS = ("auto", "fused", "chunked", "torch", "full")
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repository's conf/
+ROOT_CONFIG = CONF_DIR / "config.yaml"  # its root config: the schema, the groups' defaults, Hydra's settings
+
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
 
@@ -45,77 +68,6 @@ SCHEDULES = ("cosine", "wsd")
 def compile_choice(value: object) -> str:
     """trainer.compile as one of COMPILE_CHOICES' spellings (Hydra turns `true` into a bool)."""
     return str(value).lower()
-
-
-# ----------------------------------------------------------------------------- model
-
-
-@dataclass
-class PositionsConfig:
-    kind: str = "learned"  # learned | sinusoidal | fourier_T | none (SPEC section 2)
-    trainable: bool = True  # sinusoidal / fourier_T: a Parameter initialised by the formula, or a buffer
-    origin: int = 0  # sinusoidal: number of the first position (seed 001 counts from 1)
-
-
-@dataclass
-class AttentionConfig:
-    causal: bool = True
-    scale: float | None = None  # None means 1/sqrt(d_qk); seed 000 uses 1.0 (W_QK absorbs it)
-    d_qk: int | None = None  # per-head query/key width; None means d_model // n_heads
-    d_vo: int | None = None  # per-head value/output width; None means d_model // n_heads
-    q_bias: bool = True
-    k_bias: bool = True
-    v_bias: bool = True
-    o_bias: bool = True
-    # "row" is the softmax every seed's function needs; "matrix" normalises over the whole
-    # (masked) score matrix, the literal reading of seeds 000/003, kept as a reference option.
-    softmax: str = "row"
-
-
-@dataclass
-class FFNConfig:
-    activation: str = "gelu_tanh"
-    d_ff: int | None = None  # None means 4 * d_model
-    n_hidden_layers: int = 1  # seed 000 allows any depth; activation on hidden layers only
-    bias: bool = True
-    bias_after_activation: bool = False  # seed 002: W2 (phi(W1 x) + b1) + b2
-
-
-@dataclass
-class NormConfig:
-    formula: str = "sqrt_var_eps"  # sqrt_var_eps | std_plus_eps | exact | none (identity)
-    eps: float = 1e-5
-    affine: bool = True
-
-
-@dataclass
-class ModelConfig:
-    name: str = "custom"
-    vocab_size: int = 50257
-    d_model: int = 768
-    n_layers: int = 12
-    n_heads: int = 12
-    max_seq_len: int = 1024  # T_max: learned table size, sinusoidal rows, fourier_T's base T
-    positions: PositionsConfig = field(default_factory=PositionsConfig)
-    attention: AttentionConfig = field(default_factory=AttentionConfig)
-    ffn: FFNConfig = field(default_factory=FFNConfig)
-    norm: NormConfig = field(default_factory=NormConfig)
-    block: str = "pre"  # none | pre | post | parallel (SPEC section 6)
-    final_norm: bool = True
-    tied_embeddings: bool = True
-    unembed_bias: bool = False
-    bos_shift: bool = False  # seed 001's loss: prepend token `bos_shift_id` so every token is predicted
-    bos_shift_id: int = 0
-    init_std: float = 0.02
-    kernels: str = "auto"  # auto (Triton on CUDA, torch elsewhere) | triton | torch
-    # How Transformer.loss computes the same function from the last hidden states: fused (the Triton
-    # kernel), chunked (torch, a chunk of tokens at a time), neither materialising the (tokens, V)
-    # logits; full (logits, then cross-entropy); auto: fused where model.kernels runs Triton (CUDA
-    # by default), chunked elsewhere.
-    loss_impl: str = "auto"
-    # An export directory whose weights start a training run (fine-tuning; lmsys.export.initial_model):
-    # its model must compute the same function as this config. A resumed run ignores it.
-    init_from: str | None = None
 
 
 # ----------------------------------------------------------------------------- data
@@ -133,6 +85,10 @@ class DataConfig:
     val_fraction: float = 0.05
     tokenizer_sample_bytes: int = 20_000_000  # train the tokenizer on a bounded random sample
     on_decode_error: str = "error"  # error | skip: undecodable bytes
+    encoding: str = "utf-8"  # of the text files (a .jsonl is UTF-8): latin-1, cp1252, utf-16, ...
+    # In a directory (or a glob naming no suffix), read exactly the files of these suffixes, e.g.
+    # [.py,.pyi] for a code corpus; empty: .txt, .md, .jsonl and text of no known type.
+    suffixes: list[str] = field(default_factory=list)
     num_workers: int = 0  # 0 means all cores
     shard_tokens: int = 50_000_000
     seq_len: int = "${model.max_seq_len}"  # type: ignore[assignment]
@@ -241,25 +197,29 @@ class TrainerConfig:
     # CPU: measure the peak of the tensors (torch's profiler's allocator events, as CUDA's
     # max_memory_allocated) instead of the peak RSS; about 1.5 s more at startup and a slower step 1
     trace_memory: bool = False
-    # Fault injection for tests (leave empty in real runs): make the loss NaN at these steps,
-    # sleep this long after every step, make the last rank exit at this step on a first attempt,
-    # make the last rank send itself SIGTERM during this step (a preemption that reaches one rank),
-    # sleep this long inside every checkpoint save (its files written, before it is committed; in
-    # the background writer when trainer.async_save).
-    debug_nan_steps: list[int] = field(default_factory=list)
-    debug_step_delay_s: float = 0.0
-    debug_crash_at_step: int = 0
-    debug_signal_at_step: int = 0
-    debug_save_delay_s: float = 0.0
+
+
+@dataclass
+class DebugConfig:
+    """Fault injection for tests (lmsys/training/faults.py): the defaults inject nothing, leave them
+    in real runs."""
+
+    nan_steps: list[int] = field(default_factory=list)  # the loss is NaN at these steps
+    step_delay_s: float = 0.0  # every step sleeps this long after it
+    crash_at_step: int = 0  # the last rank exits at this step, on a first attempt
+    signal_at_step: int = 0  # the last rank sends itself SIGTERM (a preemption that reaches one rank)
+    # every checkpoint save sleeps this long with its files written, before it is committed (in the
+    # background writer under trainer.async_save)
+    save_delay_s: float = 0.0
     # "MODULE:PASS:rankR:stepS[:microM]", PASS forward | backward | weights: a NaN in that module's
-    # output, its input gradient, or (after the step) its weights (lmsys/training/faults.py)
-    debug_nonfinite_at: list[str] = field(default_factory=list)
-    debug_hang_step: int = 0  # the last rank hangs at the start of this step ...
-    debug_hang_how: str = "sleep"  # ... asleep, or frozen with SIGSTOP ("stop")
-    debug_break_kernel: str = ""  # the kernel self-check sees this kernel's output perturbed
+    # output, its input gradient, or (after the step) its weights
+    nonfinite_at: list[str] = field(default_factory=list)
+    hang_step: int = 0  # the last rank hangs at the start of this step ...
+    hang_how: str = "sleep"  # ... asleep, or frozen with SIGSTOP ("stop")
+    break_kernel: str = ""  # the kernel self-check sees this kernel's output perturbed
     # "WHERE:rankR:stepS", WHERE copy | replay: the diagnosis of bad step S runs out of memory on
-    # rank R, allocating its copy of the model or in its replay (lmsys/training/faults.py)
-    debug_replay_oom: list[str] = field(default_factory=list)
+    # rank R, allocating its copy of the model or in its replay
+    replay_oom: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -270,6 +230,7 @@ class Config:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
 
 def register_configs() -> None:
@@ -280,45 +241,6 @@ def register_configs() -> None:
 register_configs()
 
 
-# ----------------------------------------------------------------------------- derived values
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """Widths the model actually uses, derived once from a ModelConfig."""
-
-    d_qk: int
-    d_vo: int
-    d_ff: int
-    attention_scale: float
-
-
-def model_dims(cfg: ModelConfig) -> ModelDims:
-    d_qk = cfg.attention.d_qk if cfg.attention.d_qk is not None else cfg.d_model // cfg.n_heads
-    d_vo = cfg.attention.d_vo if cfg.attention.d_vo is not None else cfg.d_model // cfg.n_heads
-    d_ff = cfg.ffn.d_ff if cfg.ffn.d_ff is not None else 4 * cfg.d_model
-    scale = cfg.attention.scale if cfg.attention.scale is not None else 1.0 / math.sqrt(d_qk)
-    return ModelDims(d_qk=d_qk, d_vo=d_vo, d_ff=d_ff, attention_scale=scale)
-
-
-def context_prefix(cfg: ModelConfig) -> list[int]:
-    """Token ids every input of this model starts with: [bos_shift_id] under bos_shift (position
-    0 always held it in training), none otherwise."""
-    return [cfg.bos_shift_id] if cfg.bos_shift else []
-
-
-def autoregressive(cfg: ModelConfig) -> bool:
-    """Whether earlier positions never see later tokens (causal row-softmax attention): then a KV
-    cache is exact, and tokens appended after a sequence cannot change its earlier outputs."""
-    return cfg.attention.causal and cfg.attention.softmax == "row"
-
-
-def tokens_per_sample(cfg: ModelConfig, seq_len: int) -> int:
-    """Tokens a training sequence spans so the forward covers `seq_len` positions: seq_len + 1
-    with the usual shift (the first token is only context), seq_len under bos_shift."""
-    return seq_len + 1 - len(context_prefix(cfg))
-
-
 # ----------------------------------------------------------------------------- validation
 
 
@@ -327,167 +249,109 @@ NONFINITE_INJECTION = re.compile(r"[\w.]+:(forward|backward|weights):rank\d+:ste
 REPLAY_OOM_INJECTION = re.compile(r"(copy|replay):rank\d+:step\d+")
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-def _one_of(key: str, value: Any, valid: tuple[str, ...]) -> None:
-    _require(value in valid, f"{key}={value!r} is not valid; choose one of: {', '.join(valid)}")
-
-
 def _specs(key: str, specs: list[str], pattern: re.Pattern[str], form: str) -> None:
     for spec in specs:
-        _require(pattern.fullmatch(str(spec)) is not None, f"{key}: {spec!r} is not {form}")
-
-
-def validate_model(cfg: ModelConfig, prefix: str = "model") -> None:
-    p = prefix
-    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
-        _require(getattr(cfg, key) >= 1, f"{p}.{key}={getattr(cfg, key)} must be >= 1")
-    _one_of(f"{p}.positions.kind", cfg.positions.kind, POSITION_KINDS)
-    _one_of(f"{p}.ffn.activation", cfg.ffn.activation, ACTIVATIONS)
-    _one_of(f"{p}.norm.formula", cfg.norm.formula, NORM_FORMULAS)
-    _one_of(f"{p}.block", cfg.block, BLOCK_KINDS)
-    _one_of(f"{p}.attention.softmax", cfg.attention.softmax, SOFTMAX_KINDS)
-    _one_of(f"{p}.kernels", cfg.kernels, KERNEL_CHOICES)
-    _one_of(f"{p}.loss_impl", cfg.loss_impl, LOSS_IMPLS)
-    _require(cfg.positions.origin in (0, 1), f"{p}.positions.origin={cfg.positions.origin} must be 0 or 1")
-    if cfg.positions.kind in ("sinusoidal", "fourier_T"):
-        _require(
-            cfg.d_model % 2 == 0,
-            f"{p}.d_model={cfg.d_model} must be even for {p}.positions.kind={cfg.positions.kind}",
-        )
-    for key in ("d_qk", "d_vo"):
-        value = getattr(cfg.attention, key)
-        if value is None:
-            _require(
-                cfg.d_model % cfg.n_heads == 0,
-                f"{p}.n_heads={cfg.n_heads} does not divide {p}.d_model={cfg.d_model} "
-                f"(needed while {p}.attention.{key} is unset)",
-            )
-        else:
-            _require(value >= 1, f"{p}.attention.{key}={value} must be >= 1")
-    if cfg.attention.scale is not None:
-        _require(cfg.attention.scale > 0, f"{p}.attention.scale={cfg.attention.scale} must be > 0")
-    if cfg.ffn.d_ff is not None:
-        _require(cfg.ffn.d_ff >= 1, f"{p}.ffn.d_ff={cfg.ffn.d_ff} must be >= 1")
-    _require(cfg.ffn.n_hidden_layers >= 1, f"{p}.ffn.n_hidden_layers={cfg.ffn.n_hidden_layers} must be >= 1")
-    _require(cfg.norm.eps >= 0, f"{p}.norm.eps={cfg.norm.eps} must be >= 0")
-    _require(cfg.init_std > 0, f"{p}.init_std={cfg.init_std} must be > 0")
-    if cfg.block in ("pre", "post"):
-        _require(
-            cfg.norm.formula != "none",
-            f"{p}.norm.formula=none is only valid with {p}.block=none or parallel "
-            f"(got {p}.block={cfg.block})",
-        )
-    if cfg.final_norm:
-        _require(cfg.norm.formula != "none", f"{p}.final_norm=true needs a {p}.norm.formula other than none")
-    if cfg.attention.softmax == "matrix":
-        _require(
-            cfg.kernels != "triton",
-            f"{p}.attention.softmax=matrix is a torch-only reference option; set {p}.kernels=torch or auto",
-        )
-    _require(
-        0 <= cfg.bos_shift_id < cfg.vocab_size,
-        f"{p}.bos_shift_id={cfg.bos_shift_id} must be a token id in [0, {p}.vocab_size={cfg.vocab_size})",
-    )
+        require(pattern.fullmatch(str(spec)) is not None, f"{key}: {spec!r} is not {form}")
 
 
 def validate(cfg: Config) -> Config:
     validate_model(cfg.model)
     d, t, o, ds, lg = cfg.data, cfg.trainer, cfg.optim, cfg.deepspeed, cfg.logger
-    _require(
+    require(
         d.vocab_size == cfg.model.vocab_size, f"data.vocab_size={d.vocab_size} must equal model.vocab_size"
     )
-    _require(d.seq_len >= 1, f"data.seq_len={d.seq_len} must be >= 1")
+    require(d.seq_len >= 1, f"data.seq_len={d.seq_len} must be >= 1")
     if cfg.model.positions.kind != "none":
-        _require(
+        require(
             d.seq_len <= cfg.model.max_seq_len,
             f"data.seq_len={d.seq_len} is longer than the model's positions "
             f"(model.max_seq_len={cfg.model.max_seq_len})",
         )
-    _require(0.0 < d.val_fraction < 1.0, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
-    _one_of("data.on_decode_error", d.on_decode_error, ("error", "skip"))
-    _require(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be >= 0 (0 means all cores)")
-    _require(d.shard_tokens >= 1, f"data.shard_tokens={d.shard_tokens} must be >= 1")
-    _require(
+    require(0.0 < d.val_fraction < 1.0, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
+    one_of("data.on_decode_error", d.on_decode_error, ("error", "skip"))
+    require(
+        text_encoding(d.encoding) is not None,
+        f"data.encoding={d.encoding!r} is not a text encoding Python knows; e.g. utf-8, latin-1, cp1252",
+    )
+    require(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be >= 0 (0 means all cores)")
+    require(d.shard_tokens >= 1, f"data.shard_tokens={d.shard_tokens} must be >= 1")
+    require(
         d.tokenizer_sample_bytes >= 1, f"data.tokenizer_sample_bytes={d.tokenizer_sample_bytes} must be >= 1"
     )
-    _require(bool(d.text_field), "data.text_field must not be empty")
-    _require(bool(d.dir), "data.dir must not be empty")
-    _require(o.lr > 0, f"optim.lr={o.lr} must be > 0")
-    _one_of("optim.name", o.name, OPTIMIZERS)
-    _one_of("optim.schedule", o.schedule, SCHEDULES)
-    _require(0 < o.decay_frac <= 1, f"optim.decay_frac={o.decay_frac} must be in (0, 1]")
-    _require(o.muon_lr > 0, f"optim.muon_lr={o.muon_lr} must be > 0")
-    _require(0 <= o.muon_momentum < 1, f"optim.muon_momentum={o.muon_momentum} must be in [0, 1)")
-    _require(o.muon_weight_decay >= 0, f"optim.muon_weight_decay={o.muon_weight_decay} must be >= 0")
+    require(bool(d.text_field), "data.text_field must not be empty")
+    require(bool(d.dir), "data.dir must not be empty")
+    require(o.lr > 0, f"optim.lr={o.lr} must be > 0")
+    one_of("optim.name", o.name, OPTIMIZERS)
+    one_of("optim.schedule", o.schedule, SCHEDULES)
+    require(0 < o.decay_frac <= 1, f"optim.decay_frac={o.decay_frac} must be in (0, 1]")
+    require(o.muon_lr > 0, f"optim.muon_lr={o.muon_lr} must be > 0")
+    require(0 <= o.muon_momentum < 1, f"optim.muon_momentum={o.muon_momentum} must be in [0, 1)")
+    require(o.muon_weight_decay >= 0, f"optim.muon_weight_decay={o.muon_weight_decay} must be >= 0")
     if o.name == "muon":
         # DeepSpeed's ZeRO 1-2 put the orthogonalized update where the gradient was before
         # clipping, so a clip there would scale Muon's step, not the gradient (unlike at ZeRO 0).
-        _require(
+        require(
             o.grad_clip == 0,
             f"optim=muon needs optim.grad_clip=0 (got {o.grad_clip}): Muon's step is orthogonalized, its "
             "size set by optim.muon_lr, and DeepSpeed would clip the update rather than the gradient",
         )
-    _require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
-    _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
-    _require(o.decay_steps >= 0, f"optim.decay_steps={o.decay_steps} must be >= 0 (0: trainer.max_steps)")
-    _require(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping)")
-    _require(ds.stage in (0, 1, 2, 3), f"deepspeed.stage={ds.stage} is not valid; choose one of: 0, 1, 2, 3")
-    _one_of("deepspeed.precision", ds.precision, ("auto", "fp32", "bf16", "fp16"))
-    _one_of("logger.wandb", lg.wandb, ("online", "offline", "disabled"))
-    _require(lg.log_interval >= 1, f"logger.log_interval={lg.log_interval} must be >= 1")
-    _require(lg.console_interval >= 1, f"logger.console_interval={lg.console_interval} must be >= 1")
-    _require(t.max_steps >= 1, f"trainer.max_steps={t.max_steps} must be >= 1")
-    _require(t.micro_batch_size >= 1, f"trainer.micro_batch_size={t.micro_batch_size} must be >= 1")
-    _require(t.global_batch_tokens >= 1, f"trainer.global_batch_tokens={t.global_batch_tokens} must be >= 1")
-    _require(t.keep_last >= 1, f"trainer.keep_last={t.keep_last} must be >= 1")
-    _require(t.eval_interval >= 1, f"trainer.eval_interval={t.eval_interval} must be >= 1")
-    _require(
+    require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
+    require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    require(o.decay_steps >= 0, f"optim.decay_steps={o.decay_steps} must be >= 0 (0: trainer.max_steps)")
+    require(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping)")
+    require(ds.stage in (0, 1, 2, 3), f"deepspeed.stage={ds.stage} is not valid; choose one of: 0, 1, 2, 3")
+    one_of("deepspeed.precision", ds.precision, ("auto", "fp32", "bf16", "fp16"))
+    one_of("logger.wandb", lg.wandb, ("online", "offline", "disabled"))
+    require(lg.log_interval >= 1, f"logger.log_interval={lg.log_interval} must be >= 1")
+    require(lg.console_interval >= 1, f"logger.console_interval={lg.console_interval} must be >= 1")
+    require(t.max_steps >= 1, f"trainer.max_steps={t.max_steps} must be >= 1")
+    require(t.micro_batch_size >= 1, f"trainer.micro_batch_size={t.micro_batch_size} must be >= 1")
+    require(t.global_batch_tokens >= 1, f"trainer.global_batch_tokens={t.global_batch_tokens} must be >= 1")
+    require(t.keep_last >= 1, f"trainer.keep_last={t.keep_last} must be >= 1")
+    require(t.eval_interval >= 1, f"trainer.eval_interval={t.eval_interval} must be >= 1")
+    require(
         t.eval_batches >= 0,
         f"trainer.eval_batches={t.eval_batches} must be >= 0 (0: the whole validation split)",
     )
-    _require(t.save_interval >= 1, f"trainer.save_interval={t.save_interval} must be >= 1")
-    _require(t.max_nan_skips >= 0, f"trainer.max_nan_skips={t.max_nan_skips} must be >= 0")
-    _one_of("trainer.on_nonfinite", t.on_nonfinite, NONFINITE_POLICIES)
-    _require(
+    require(t.save_interval >= 1, f"trainer.save_interval={t.save_interval} must be >= 1")
+    require(t.max_nan_skips >= 0, f"trainer.max_nan_skips={t.max_nan_skips} must be >= 0")
+    one_of("trainer.on_nonfinite", t.on_nonfinite, NONFINITE_POLICIES)
+    require(
         t.spike_factor == 0 or t.spike_factor > 1,
         f"trainer.spike_factor={t.spike_factor} must be > 1 (0: off)",
     )
-    _require(t.spike_margin >= 0, f"trainer.spike_margin={t.spike_margin} must be >= 0 (0: off)")
-    _specs("trainer.debug_nonfinite_at", t.debug_nonfinite_at, NONFINITE_INJECTION,
+    require(t.spike_margin >= 0, f"trainer.spike_margin={t.spike_margin} must be >= 0 (0: off)")
+    _specs("debug.nonfinite_at", cfg.debug.nonfinite_at, NONFINITE_INJECTION,
            "MODULE:PASS:rankR:stepS[:microM] with PASS forward, backward or weights "
            "(e.g. blocks.1.attn:backward:rank1:step4)")  # fmt: skip
-    _specs("trainer.debug_replay_oom", t.debug_replay_oom, REPLAY_OOM_INJECTION,
+    _specs("debug.replay_oom", cfg.debug.replay_oom, REPLAY_OOM_INJECTION,
            "WHERE:rankR:stepS with WHERE copy or replay (e.g. copy:rank1:step3)")  # fmt: skip
-    _require(t.dist_timeout_s > 0, f"trainer.dist_timeout_s={t.dist_timeout_s} must be > 0")
-    _require(
+    require(t.dist_timeout_s > 0, f"trainer.dist_timeout_s={t.dist_timeout_s} must be > 0")
+    require(
         t.hang_timeout_s == 0 or 0 < t.hang_timeout_s < t.dist_timeout_s,
         f"trainer.hang_timeout_s={t.hang_timeout_s:g} must be below trainer.dist_timeout_s="
         f"{t.dist_timeout_s:g} (the watchdog names a stuck rank before the collective timeout ends the "
         "job), or 0 (off)",
     )
-    _one_of("trainer.debug_hang_how", t.debug_hang_how, ("sleep", "stop"))
+    one_of("debug.hang_how", cfg.debug.hang_how, ("sleep", "stop"))
     kernel_names = ("", "attention", "layer_norm", "add_layer_norm", "linear_cross_entropy")
-    _one_of("trainer.debug_break_kernel", t.debug_break_kernel, kernel_names)
-    _require(
+    one_of("debug.break_kernel", cfg.debug.break_kernel, kernel_names)
+    require(
         compile_choice(t.compile) in COMPILE_CHOICES,
         f"trainer.compile={t.compile} is not valid; choose one of: {', '.join(COMPILE_CHOICES)}",
     )
-    _require(bool(t.resume), "trainer.resume must be auto, never or a checkpoint directory")
-    _require(
+    require(bool(t.resume), "trainer.resume must be auto, never or a checkpoint directory")
+    require(
         ds.param_persistence_threshold >= 0,
         f"deepspeed.param_persistence_threshold={ds.param_persistence_threshold} must be >= 0",
     )
     if ds.offload_param:
-        _require(ds.stage == 3, f"deepspeed.offload_param=true needs deepspeed.stage=3 (got {ds.stage})")
+        require(ds.stage == 3, f"deepspeed.offload_param=true needs deepspeed.stage=3 (got {ds.stage})")
     if ds.offload_optimizer:
-        _require(ds.stage >= 1, "deepspeed.offload_optimizer=true needs deepspeed.stage >= 1 (got 0)")
-    _one_of("trainer.device", t.device, ("auto", "cpu", "cuda"))
-    _one_of("trainer.plan", t.plan, ("auto", "refuse", "warn", "off"))
-    _require(t.plan_memory_bytes >= 0, f"trainer.plan_memory_bytes={t.plan_memory_bytes} must be >= 0")
+        require(ds.stage >= 1, "deepspeed.offload_optimizer=true needs deepspeed.stage >= 1 (got 0)")
+    one_of("trainer.device", t.device, ("auto", "cpu", "cuda"))
+    one_of("trainer.plan", t.plan, ("auto", "refuse", "warn", "off"))
+    require(t.plan_memory_bytes >= 0, f"trainer.plan_memory_bytes={t.plan_memory_bytes} must be >= 0")
     return cfg
 
 
@@ -536,8 +400,20 @@ def hydra_error_line(exc: BaseException) -> str:
     if unknown:
         parent = full_key.rpartition(".")[0] if full_key else ""
         prefix = f"{parent}." if parent else ""
+        moved = moved_key(f"{prefix}{unknown.group(1)}")
+        if moved is not None:
+            return moved
         head += _did_you_mean(unknown.group(1), schema_keys(parent), prefix)
     return head
+
+
+def moved_key(key: str) -> str | None:
+    """For a key of the fault-injection group spelled under trainer (trainer.debug_nan_steps), the
+    line naming its key (debug.nan_steps); None for any other key."""
+    name = key.removeprefix("trainer.debug_")
+    if name != key and name in schema_keys("debug"):
+        return f"{key} is now debug.{name}"
+    return None
 
 
 def _did_you_mean(word: str, valid: list[str], prefix: str) -> str:
@@ -576,7 +452,11 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
     The public entry point used by every CLI and by outside checks. Raises ConfigError with one
     line naming the key for a misspelled key, a wrong type, or an invalid value.
     """
-    overrides = [bracket_list_value(o) for o in overrides or []]
+    for override in overrides or []:
+        moved = moved_key(override.lstrip("+~").partition("=")[0])
+        if moved is not None:
+            raise ConfigError(moved)
+    overrides = adopt_init_from([bracket_list_value(o) for o in overrides or []])
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     try:
@@ -591,10 +471,55 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
         raise ConfigError(hydra_error_line(exc) + hint) from exc
 
 
+INIT_FROM_PRESET = "init_from"  # the model group's choice that model.init_from=DIR alone registers
+
+
+def adopt_init_from(overrides: list[str]) -> list[str]:
+    """`model.init_from=DIR` without a `model=` preset: the model DIR's export records becomes the
+    run's preset (registered in Hydra's ConfigStore as `model=init_from`), the command line's other
+    `model.*` keys apply on top, and `data.vocab_size` / `data.seq_len` follow it as they follow any
+    preset. Overrides are returned unchanged when a preset is named, when DIR records no model
+    (then model.init_from's own checks say what is wrong) or when init_from is swept (a, b)."""
+    presets = [o for o in overrides if o.partition("=")[0].lstrip("+") == "model"]
+    if any(o.partition("=")[2] != INIT_FROM_PRESET for o in presets):
+        return overrides
+    rest = [o for o in overrides if o not in presets]
+    given = [o.partition("=")[2] for o in rest if o.partition("=")[0].lstrip("+") == "model.init_from"]
+    value = given[-1].strip("'\"") if given else ""
+    if not value or value in ("null", "None") or "," in value:
+        return rest
+    recorded = export_model_config(Path(value).expanduser())
+    if recorded is None:
+        return rest
+    ConfigStore.instance().store(group="model", name=INIT_FROM_PRESET, node=recorded)
+    return [*rest, f"model={INIT_FROM_PRESET}"]  # last: Hydra's flags (-m) may lead
+
+
+def export_model_config(directory: Path) -> dict[str, Any] | None:
+    """The model config an export directory records: its config.json (lmsys format), or the one a
+    format=hf export keeps in its safetensors header; None when there is none (not an export)."""
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    if "model_type" in config:  # a transformers config.json: lmsys's own is in the weights' header
+        try:
+            with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
+                config = json.loads((f.metadata() or {}).get("lmsys_model_config", "null"))
+        except Exception:  # no weights, or not a safetensors file: nothing recorded
+            return None
+    if not isinstance(config, dict) or "d_model" not in config:
+        return None
+    config.pop("init_from", None)
+    return config
+
+
 def config_groups() -> dict[str, tuple[list[str], str | None]]:
     """Each config group of conf/ -> (its choices, the default conf/config.yaml picks)."""
     defaults: dict[str, str] = {}
-    for entry in OmegaConf.load(CONF_DIR / "config.yaml").get("defaults", []):
+    for entry in OmegaConf.load(ROOT_CONFIG).get("defaults", []):
         if isinstance(entry, (DictConfig, dict)):
             for key, value in dict(entry).items():
                 if not str(key).startswith("override"):

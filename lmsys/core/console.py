@@ -5,10 +5,12 @@ Lines go to stdout, warnings to stderr as `<prog>: warning: ...`, and while the 
 both go through it, so they print above the bar instead of tearing it. The other ranks of a job
 print nothing: they do the same work and would only repeat rank 0.
 
-Two modes. In a terminal (stderr is a tty) with trainer.progress=true, a progress bar over the
-steps. Anywhere else (a log file, `| tee`, SLURM, CI) or with trainer.progress=false, a bar would
-be carriage-return frames in one endless line: a plain line every logger.console_interval steps
-instead (and at the first and last step of a launch), with the same fields evaluation lines show.
+A step's line and a validation's are formatted from their metrics records (lmsys.core.rundir), the
+same numbers metrics.jsonl and W&B get. Two modes. In a terminal (stderr is a tty) with
+trainer.progress=true, a progress bar over the steps. Anywhere else (a log file, `| tee`, SLURM,
+CI) or with trainer.progress=false, a bar would be carriage-return frames in one endless line: a
+plain line every logger.console_interval steps instead (and at the first and last step of a
+launch), with the same fields evaluation lines show.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 from tqdm import tqdm
+
+from lmsys.core.rundir import EvalRecord, TrainRecord
 
 # ----------------------------------------------------------------------------- one-line messages
 
@@ -63,61 +66,6 @@ def warn(prog: str, message: str) -> None:
 # ----------------------------------------------------------------------------- a training run's console
 
 
-@dataclass(frozen=True)
-class StepReport:
-    """One finished optimizer step, as every sink sees it: the console formats it and
-    `metrics()` is its metrics.jsonl record (lmsys/training/reporter.py)."""
-
-    step: int
-    max_steps: int
-    loss: float
-    lr: float
-    grad_norm: float | None  # None where the engine does not report it
-    tokens_per_s: float
-    mfu: float | None  # fraction of the devices' peak; None on CPU (no known peak)
-    elapsed_s: float  # since this launch's first step began
-    steps_done: int  # steps of this launch, this one included
-    step_time_s: float = 0.0  # this step alone
-    memory_gb: float = 0.0  # peak memory of this process so far (lmsys.training.metrics.memory_gb)
-    tokens: int = 0  # tokens trained on so far, this step included
-    skipped: bool = False  # the update was skipped (a non-finite loss, a gradient overflow)
-
-    @property
-    def eta_s(self) -> float:
-        """The remaining steps at this launch's mean pace so far."""
-        return self.elapsed_s / max(self.steps_done, 1) * (self.max_steps - self.step)
-
-    def metrics(self) -> dict[str, float | int | bool | None]:
-        """The step's metrics.jsonl fields (and W&B's, as train/<name>)."""
-        return {
-            "loss": self.loss,
-            "lr": self.lr,
-            "grad_norm": self.grad_norm,
-            "tokens_per_s": self.tokens_per_s,
-            "mfu": self.mfu,
-            "step_time_s": self.step_time_s,
-            # wall time since this launch's first step began, logging of earlier steps included:
-            # differences give the loop's true per-step cost (tools.bench train)
-            "elapsed_s": self.elapsed_s,
-            "memory_gb": self.memory_gb,
-            "tokens": self.tokens,
-            "skipped": self.skipped,
-        }
-
-    def fields(self) -> list[str]:
-        """`lr 3.00e-04`, `grad norm 0.91`, ... (the loss is the caller's: train or val)."""
-        out = [f"lr {self.lr:.2e}"]
-        if self.grad_norm is not None:
-            out.append(f"grad norm {self.grad_norm:.3g}")
-        out.append(f"{self.tokens_per_s:,.0f} tok/s")
-        if self.mfu is not None:
-            out.append(f"MFU {100 * self.mfu:.1f}%")
-        out.append(f"elapsed {duration(self.elapsed_s)}")
-        if self.step < self.max_steps:
-            out.append(f"ETA {duration(self.eta_s)}")
-        return out
-
-
 def duration(seconds: float) -> str:
     """42s, 3m05s, 1h02m."""
     s = max(0, round(seconds))
@@ -144,7 +92,8 @@ class Console:
         self.show_bar = progress and terminal
         self._bar: tqdm | None = None
         self._first_step: int | None = None  # of this launch
-        self.last_step: StepReport | None = None
+        self.last_step: TrainRecord | None = None
+        self.max_steps: int | None = None  # the last step of the launch (`progress`)
 
     @property
     def active(self) -> bool:
@@ -185,7 +134,9 @@ class Console:
 
     @contextmanager
     def progress(self, total: int, initial: int) -> Iterator[None]:
-        """A progress bar over optimizer steps while the block runs (rank 0, trainer.progress)."""
+        """A progress bar over optimizer steps while the block runs (rank 0, trainer.progress): the
+        launch's steps initial + 1 .. total."""
+        self.max_steps = total
         self._bar = tqdm(
             total=total,
             initial=initial,
@@ -202,38 +153,47 @@ class Console:
             self._bar.close()
             self._bar = None
 
-    def step_done(self, report: StepReport) -> None:
+    def step_done(self, record: TrainRecord) -> None:
         """Advance the bar by one step with the step's fields, or print the plain line when due."""
-        self.last_step = report
         if self._first_step is None:
-            self._first_step = report.step
+            self._first_step = record.step
+        self.last_step = record
+        max_steps = self.max_steps or record.step
         if self._bar is not None and not self._bar.disable:
-            postfix = {"loss": f"{report.loss:.4f}", "lr": f"{report.lr:.2e}"}
-            if report.grad_norm is not None:
-                postfix["gnorm"] = f"{report.grad_norm:.3g}"
-            postfix["tok_s"] = f"{report.tokens_per_s:,.0f}"
+            postfix = {"loss": f"{record.loss:.4f}", "lr": f"{record.lr:.2e}"}
+            if record.grad_norm is not None:
+                postfix["gnorm"] = f"{record.grad_norm:.3g}"
+            postfix["tok_s"] = f"{record.tokens_per_s:,.0f}"
             self._bar.set_postfix(postfix, refresh=False)
             self._bar.update(1)
             return
-        due = (
-            report.step % self.interval == 0
-            or report.step == self._first_step
-            or report.step == report.max_steps
-        )
+        due = record.step % self.interval == 0 or record.step in (self._first_step, max_steps)
         if due:
-            self.say(
-                " | ".join(
-                    [f"{self.prog}: step {report.step}/{report.max_steps}", f"loss {report.loss:.4f}"]
-                    + report.fields()
-                )
-            )
+            head = [f"{self.prog}: step {record.step}/{max_steps}", f"loss {record.loss:.4f}"]
+            self.say(" | ".join(head + self._fields(record)))
 
-    def eval_done(self, step: int, train_loss: float, val_loss: float, coverage: str) -> None:
+    def eval_done(self, record: EvalRecord, train_loss: float, coverage: str) -> None:
         """The validation line: both losses and the last step's fields."""
         parts = [
-            f"{self.prog}: step {step}: train loss {train_loss:.4f}",
-            f"val loss {val_loss:.4f} ({coverage})",
+            f"{self.prog}: step {record.step}: train loss {train_loss:.4f}",
+            f"val loss {record.loss:.4f} ({coverage})",
         ]
-        if self.last_step is not None and self.last_step.step == step:
-            parts += self.last_step.fields()
+        if self.last_step is not None and self.last_step.step == record.step:
+            parts += self._fields(self.last_step)
         self.say(" | ".join(parts))
+
+    def _fields(self, record: TrainRecord) -> list[str]:
+        """`lr 3.00e-04`, `grad norm 0.91`, ... (the loss is the caller's: train or val)."""
+        out = [f"lr {record.lr:.2e}"]
+        if record.grad_norm is not None:
+            out.append(f"grad norm {record.grad_norm:.3g}")
+        out.append(f"{record.tokens_per_s:,.0f} tok/s")
+        if record.mfu is not None:
+            out.append(f"MFU {100 * record.mfu:.1f}%")
+        out.append(f"elapsed {duration(record.elapsed_s)}")
+        max_steps = self.max_steps or record.step
+        if record.step < max_steps:
+            # the remaining steps at this launch's mean pace so far
+            steps_done = max(record.step - (self._first_step or record.step) + 1, 1)
+            out.append(f"ETA {duration(record.elapsed_s / steps_done * (max_steps - record.step))}")
+        return out

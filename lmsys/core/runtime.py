@@ -1,4 +1,4 @@
-"""Where and how a job runs, resolved once: the device, the numeric precision, the batch plan.
+"""Where and how a job runs, resolved once: the device, the numeric precision, the batch split.
 
 Every command turns its device / dtype / precision setting into torch objects here, and the
 trainer turns `trainer.global_batch_tokens` into its batch arithmetic here, so a setting is read
@@ -113,14 +113,14 @@ class Setup:
     precision: str  # fp32 | bf16 | fp16 (deepspeed.precision resolved for the device)
     rank: int
     world_size: int
-    plan: BatchPlan
+    batch: BatchSplit
 
 
 # ----------------------------------------------------------------------------- batch arithmetic
 
 
 @dataclass(frozen=True)
-class BatchPlan:
+class BatchSplit:
     """How one optimizer step's sequences are cut into micro-batches across ranks."""
 
     seq_len: int  # positions per forward
@@ -141,7 +141,7 @@ class BatchPlan:
         )
 
 
-def batch_plan(cfg: Config, world_size: int) -> BatchPlan:
+def split_batch(cfg: Config, world_size: int) -> BatchSplit:
     """`trainer.global_batch_tokens / data.seq_len` sequences per optimizer step, split into
     `micro_batch_size` sequences per rank per forward: gradient accumulation is derived, never
     configured. ConfigError, naming a value that works, when the numbers do not divide."""
@@ -163,7 +163,7 @@ def batch_plan(cfg: Config, world_size: int) -> BatchPlan:
             f"use a multiple of {per_micro_step * seq} tokens, "
             f"e.g. trainer.global_batch_tokens={k * per_micro_step * seq}"
         )
-    return BatchPlan(
+    return BatchSplit(
         seq_len=seq,
         tokens_per_sample=tokens_per_sample(cfg.model, seq),
         micro_batch_size=t.micro_batch_size,
@@ -182,12 +182,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def resume_batch_plan(cfg: Config, world_size: int, step: int) -> BatchPlan:
-    """The batch plan of a run resuming the checkpoint of `step` on `world_size` ranks. A resumed
+def resume_batch_split(cfg: Config, world_size: int, step: int) -> BatchSplit:
+    """The batch split of a run resuming the checkpoint of `step` on `world_size` ranks. A resumed
     run keeps its global batch (the loader's saved position counts its sequences), but may change
     the world size and the micro-batch size: ConfigError naming those that fit when they do not."""
     try:
-        return batch_plan(cfg, world_size)
+        return split_batch(cfg, world_size)
     except ConfigError:
         pass
     t = cfg.trainer

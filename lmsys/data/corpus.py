@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lmsys.core.choices import text_encoding
 from lmsys.core.errors import DataError
-from lmsys.data.sources import SourceFile, SourceScan, open_binary, scan_sources
+from lmsys.data.sources import SourceFile, SourceScan, first_undecodable_byte, open_binary, scan_sources
 from lmsys.data.sources import resolve_sources as resolve_sources  # the name callers know here
 
 DEFAULT_CORPUS_DESCRIPTION = "default corpus: python stdlib docstrings"
@@ -113,6 +114,7 @@ class FileCorpus(Corpus):
         text_field: str = "text",
         on_decode_error: str = "error",
         piece_bytes: int | None = None,
+        encoding: str = "utf-8",
     ):
         if on_decode_error not in ("error", "skip"):
             raise DataError(
@@ -123,6 +125,7 @@ class FileCorpus(Corpus):
         self.files = files
         self.text_field = text_field
         self.on_decode_error = on_decode_error
+        self.encoding = checked_encoding(encoding)
         self.piece_bytes = piece_bytes or PIECE_BYTES  # read at call time: tests make it small
         self.stats = CorpusStats()
         self.scan = SourceScan(files=list(files))
@@ -134,10 +137,27 @@ class FileCorpus(Corpus):
         text_field: str = "text",
         on_decode_error: str = "error",
         piece_bytes: int | None = None,
+        encoding: str = "utf-8",
+        suffixes: Iterable[str] = (),
     ) -> FileCorpus:
-        scan = scan_sources(sources)
+        """The files `data.sources` names (lmsys.data.sources.scan_sources). A file of no known
+        suffix whose start is not text in `encoding` is refused by name (DataError), or with
+        on_decode_error=skip left out and named in the scan's summary."""
+        scan = scan_sources(sources, suffixes, checked_encoding(encoding))
+        if scan.other_encoding and on_decode_error == "error":
+            path = scan.other_encoding[0]
+            offset, byte = first_undecodable_byte(path, scan.encoding) or (0, 0)
+            raise DataError(
+                f"{path}: not {scan.encoding} text (byte 0x{byte:02x} at offset {offset}) and not binary "
+                f"(no NUL byte){_other_encoding_hint(scan.encoding)}"
+                + (f" ({len(scan.other_encoding)} such files)" if len(scan.other_encoding) > 1 else "")
+            )
         corpus = cls(
-            scan.files, text_field=text_field, on_decode_error=on_decode_error, piece_bytes=piece_bytes
+            scan.files,
+            text_field=text_field,
+            on_decode_error=on_decode_error,
+            piece_bytes=piece_bytes,
+            encoding=scan.encoding,
         )
         corpus.scan = scan
         return corpus
@@ -157,12 +177,15 @@ class FileCorpus(Corpus):
         }
 
     def fingerprint(self) -> dict[str, Any]:
-        return {
+        found = {
             "kind": "files",
             "files": [[str(f.path), f.size, f.mtime_ns] for f in self.files],
             "text_field": self.text_field,
             "on_decode_error": self.on_decode_error,
         }
+        if self.encoding != "utf-8":  # absent for UTF-8, as in the data prepared before it existed
+            found["encoding"] = self.encoding
+        return found
 
     def pieces(self) -> Iterator[tuple[str, bool]]:
         self.stats = CorpusStats()
@@ -195,11 +218,18 @@ class FileCorpus(Corpus):
     # -- readers: yield a str per document, or None for one skipped under on_decode_error=skip
 
     def _undecodable(self, path: Path, offset: int, reason: str, where: str = "") -> None:
+        """A document with bytes that are not text: DataError, or skipped (on_decode_error=skip).
+        `where`: a jsonl line (always UTF-8, JSON's encoding); else a text file in data.encoding."""
         stream = " of the decompressed stream" if path.suffix == ".gz" else ""
         if self.on_decode_error == "error":
+            encoding = "UTF-8" if where or self.encoding == "utf-8" else self.encoding
+            hint = (
+                "; fix the file or set data.on_decode_error=skip"
+                if where
+                else _other_encoding_hint(self.encoding)
+            )
             raise DataError(
-                f"{path}{where}: undecodable UTF-8 at byte offset {offset}{stream} ({reason}); "
-                "fix the file or set data.on_decode_error=skip"
+                f"{path}{where}: undecodable {encoding} at byte offset {offset}{stream} ({reason}){hint}"
             )
         self.stats.skipped_decode_error += 1
         if len(self.stats.skipped) < 5:
@@ -221,7 +251,7 @@ class FileCorpus(Corpus):
                     yield text, True
                     return
                 if self.on_decode_error == "skip":  # the whole document goes, so look before yielding
-                    bad = _first_undecodable(path, self.piece_bytes)
+                    bad = _first_undecodable(path, self.piece_bytes, self.encoding)
                     if bad is not None:
                         self._undecodable(path, *bad)
                         return
@@ -241,7 +271,7 @@ class FileCorpus(Corpus):
 
     def _decode_whole(self, path: Path, raw: bytes) -> str | None:
         try:
-            text = raw.decode("utf-8")
+            text = raw.decode(self.encoding)
         except UnicodeDecodeError as e:
             self._undecodable(path, e.start, e.reason)
             return None
@@ -251,7 +281,7 @@ class FileCorpus(Corpus):
         """Non-empty pieces of about `piece_bytes` from an open file whose first bytes are `head`."""
         pending = ""
         first = True
-        for text in _decode_stream(path, head, fh, self.piece_bytes, self._undecodable):
+        for text in _decode_stream(path, head, fh, self.piece_bytes, self._undecodable, self.encoding):
             if first:
                 text, first = (text[1:] if text.startswith("\ufeff") else text), False
             pending += text
@@ -310,10 +340,12 @@ class FileCorpus(Corpus):
         return text
 
 
-def _decode_stream(path: Path, head: bytes, fh: Any, block: int, on_error: Any) -> Iterator[str]:
-    """Decode `head` and then the rest of `fh`, `block` bytes at a time, as strict UTF-8; on
-    undecodable bytes call `on_error(path, byte_offset, reason)` (which raises) and stop."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
+def _decode_stream(
+    path: Path, head: bytes, fh: Any, block: int, on_error: Any, encoding: str = "utf-8"
+) -> Iterator[str]:
+    """Decode `head` and then the rest of `fh`, `block` bytes at a time, strictly in `encoding`;
+    on undecodable bytes call `on_error(path, byte_offset, reason)` (which raises) and stop."""
+    decoder = codecs.getincrementaldecoder(encoding)()
     fed = 0  # bytes given to the decoder before `chunk`
     chunk = head
     while True:
@@ -332,17 +364,38 @@ def _decode_stream(path: Path, head: bytes, fh: Any, block: int, on_error: Any) 
         chunk = fh.read(block)
 
 
-def _first_undecodable(path: Path, block: int) -> tuple[int, str] | None:
-    """(byte offset, reason) of the first undecodable UTF-8 in a file, or None; one streaming pass."""
+def _first_undecodable(path: Path, block: int, encoding: str = "utf-8") -> tuple[int, str] | None:
+    """(byte offset, reason) of the first bytes of a file that are not text in `encoding`, or
+    None; one streaming pass."""
     found: list[tuple[int, str]] = []
 
     def note(_path: Path, offset: int, reason: str) -> None:
         found.append((offset, reason))
 
     with open_binary(path) as fh:
-        for _ in _decode_stream(path, fh.read(block), fh, block, note):
+        for _ in _decode_stream(path, fh.read(block), fh, block, note, encoding):
             pass
     return found[0] if found else None
+
+
+def checked_encoding(encoding: str) -> str:
+    """data.encoding as Python's codec name (`latin-1` is `iso8859-1`); DataError when Python
+    has no such text encoding."""
+    name = text_encoding(encoding)
+    if name is None:
+        raise DataError(
+            f"data.encoding={encoding!r} is not a text encoding Python knows; e.g. utf-8, latin-1, cp1252"
+        )
+    return name
+
+
+def _other_encoding_hint(encoding: str) -> str:
+    if encoding == "utf-8":
+        return (
+            "; if it is text in another encoding, set data.encoding to it (e.g. data.encoding=latin-1 or "
+            "cp1252), else fix the file or set data.on_decode_error=skip"
+        )
+    return "; set data.encoding to the file's encoding, fix the file, or set data.on_decode_error=skip"
 
 
 def _boundary(text: str) -> int:
@@ -482,12 +535,21 @@ def default_corpus() -> DefaultCorpus:
     return DefaultCorpus()
 
 
-def open_corpus(sources: Iterable[str], text_field: str = "text", on_decode_error: str = "error") -> Corpus:
-    """`data.sources` → a Corpus: the default corpus when empty, files otherwise."""
+def open_corpus(
+    sources: Iterable[str],
+    text_field: str = "text",
+    on_decode_error: str = "error",
+    encoding: str = "utf-8",
+    suffixes: Iterable[str] = (),
+) -> Corpus:
+    """`data.sources` → a Corpus: the default corpus when empty, files otherwise (read with
+    data.text_field, data.on_decode_error, data.encoding, data.suffixes)."""
     sources = list(sources)
     if not sources:
         return default_corpus()
-    return FileCorpus.from_sources(sources, text_field=text_field, on_decode_error=on_decode_error)
+    return FileCorpus.from_sources(
+        sources, text_field=text_field, on_decode_error=on_decode_error, encoding=encoding, suffixes=suffixes
+    )
 
 
 def split_for_training(text: str, max_bytes: int) -> Iterator[str]:

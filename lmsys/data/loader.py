@@ -19,8 +19,14 @@ Skipped steps. `skip_steps(steps)` marks stream steps never to be trained on (a 
 data made the loss non-finite or diverge, trainer.on_nonfinite=rewind): reaching one, the
 loader moves on to the next step's positions. They are part of the resume state.
 
+Ids. Before a step's first micro-batch every rank checks that the ids of the step's whole
+global batch (every rank's sequences) are below the vocabulary, and before the first evaluation
+the whole validation split: data too large to check in full when opened (lmsys.data.integrity)
+ends a run, on every rank at the same step, in one line naming the shard and position.
+
 Resume. The whole state is the stream position (a step and a micro-batch index), the skipped
-steps, plus the settings it is checked against: a restored loader yields exactly the batches an uninterrupted
+steps, plus the settings it is checked against (the split's digest among them: data prepared
+again is refused): a restored loader yields exactly the batches an uninterrupted
 one would, for any world size that divides the global batch when restored between steps, and
 for the same world size and micro-batch size when restored in the middle of a step.
 
@@ -35,6 +41,7 @@ previous document's eos.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +49,8 @@ import numpy as np
 import torch
 
 from lmsys.core.errors import DataError
-from lmsys.data.shards import PreparedData, SplitTokens, too_short
+from lmsys.data.integrity import first_past_vocabulary, past_vocabulary
+from lmsys.data.shards import PreparedData, SplitTokens, prepare_again, too_short
 
 __all__ = ["Batch", "TokenLoader"]
 
@@ -60,6 +68,8 @@ _RESUME_HINTS = {
     "version": "resume with the lmsys version that saved it",
     "split": "resume on the split it was saved on",
     "seed": "set trainer.seed as the run had it (its config.yaml)",
+    "split_sha256": "data.dir holds other tokens than the run trained on (prepared again from other "
+    "sources or settings): resume on the data it was trained on",
     "num_samples": "the train split holds another number of sequences (data.dir or data.seq_len "
     "changed): set them as the run had them (its config.yaml)",
     "tokens_per_sample": "set data.seq_len as the run had it (its config.yaml)",
@@ -108,6 +118,8 @@ class TokenLoader:
         self.micro = 0  # micro-batches of the current step consumed by this rank
         self.skipped: set[int] = set()  # stream steps never trained on (skip_steps)
         self._epoch_orders: dict[int, np.ndarray] = {}
+        self._checked_step = -1  # the step whose global batch check_ids last passed
+        self._val_checked = False
 
     # -- order ------------------------------------------------------------------------------
 
@@ -198,7 +210,39 @@ class TokenLoader:
             weights[:, 1:][tokens[:, :-1] == self.data.eos_id] = 0.0
         return Batch(tokens, weights)
 
+    def step_indices(self, step: int) -> np.ndarray:
+        """Sample indices of the whole global batch of optimizer step `step` (every rank's)."""
+        positions = np.arange(step * self.global_batch, (step + 1) * self.global_batch)  # (G,)
+        return np.array(
+            [self._order(int(p) // self.num_samples)[int(p) % self.num_samples] for p in positions]
+        )
+
+    def check_ids(self, tokens: SplitTokens, starts: Iterable[int]) -> None:
+        """DataError, one line naming the shard and position, when a sequence of `sample_len` tokens
+        at one of `starts` holds an id past the vocabulary: shards above the size checked in full
+        when opened (lmsys.data.integrity) are checked here, before any id reaches the model."""
+        vocab = self.data.vocab_size
+        for start in starts:
+            ids = tokens.read(int(start), self.sample_len)  # (S,)
+            if int(ids.max()) < vocab:
+                continue
+            where = int(np.flatnonzero(ids >= vocab)[0])
+            shard, offset = tokens.locate(int(start) + where)
+            path, redo = self.data.dir / shard, prepare_again(self.data.dir)
+            raise past_vocabulary(path, int(ids[where]), offset, vocab, redo)
+
+    def check_split(self, tokens: SplitTokens) -> None:
+        """`check_ids` for a whole split: a vectorised max over each of its shards."""
+        for name, ids in zip(tokens.files, tokens.shards):
+            redo = prepare_again(self.data.dir)
+            if error := first_past_vocabulary(ids, 0, self.data.vocab_size, self.data.dir / name, redo):
+                raise error
+
     def next_batch(self) -> Batch:
+        if self.micro == 0 or self._checked_step != self.step:
+            # every rank checks the whole step, so all of them stop at the same step, alike
+            self.check_ids(self.tokens, (self.sample_start(int(i)) for i in self.step_indices(self.step)))
+            self._checked_step = self.step
         batch = self._batch(self.sample_indices(self.step, self.micro))
         self.micro += 1
         if self.micro == self.micro_batches_per_step:
@@ -215,6 +259,9 @@ class TokenLoader:
         of forwards, which ZeRO-3's collectives need)."""
         tokens = self._val_tokens()
         num = len(tokens) // self.sample_len
+        if not self._val_checked:  # the whole split, once: every rank alike
+            self.check_split(tokens)
+            self._val_checked = True
         per_round = self.micro_batch * self.world_size
         whole = count == 0
         rounds = -(-num // per_round) if whole else count
@@ -255,6 +302,7 @@ class TokenLoader:
             "tokens_per_sample": self.sample_len,
             "global_batch_size": self.global_batch,
             "tokenizer_sha256": self.data.tokenizer_sha256,
+            "split_sha256": self.data.split_sha256(self.split_name),
             # Only needed to resume in the middle of a step (any world size resumes between steps).
             "micro_batch_size": self.micro_batch,
             "world_size": self.world_size,
@@ -268,11 +316,14 @@ class TokenLoader:
             "version",
             "split",
             "seed",
+            "split_sha256",
             "num_samples",
             "tokens_per_sample",
             "global_batch_size",
             "tokenizer_sha256",
         ):
+            if key == "split_sha256" and key not in state:
+                continue  # saved before loaders recorded it
             if state.get(key) != mine[key]:
                 raise DataError(
                     f"cannot resume the loader: its saved {key} is {state.get(key)!r}, "

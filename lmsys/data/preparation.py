@@ -22,11 +22,13 @@ Split rule: document i (0-based, in corpus order) goes to validation when
 without documents and there are at least two, the last document of the other split moves over.
 
 Safety: everything is written to a temporary directory next to `data.dir`, renamed into place
-only when complete (an old `data.dir` is replaced after that); on any error the temporary
-directory is removed. A `data.dir` whose manifest fingerprint matches this run (same sources
-with the same sizes and mtimes, vocabulary, tokenizer, seed, split and shard settings) and
-whose shards check out is reused as is, unless `data.overwrite=true`. A non-empty `data.dir`
-without a manifest.json is never replaced.
+only when complete; on any error the temporary directory is removed. A `data.dir` whose manifest
+fingerprint matches this run (same sources with the same sizes and mtimes, vocabulary, tokenizer,
+seed, split and shard settings) and whose shards check out is reused as is. Prepared data is
+replaced only with `data.overwrite=true`: a `data.dir` prepared from other sources or settings,
+or whose shards do not check out, is refused in one line saying what differs (sources,
+tokenizer, settings) and how to proceed; a non-empty `data.dir` without a manifest.json is never
+replaced.
 """
 
 from __future__ import annotations
@@ -54,7 +56,6 @@ from lmsys.data.shards import (
     MANIFEST,
     SPLITS,
     ShardWriter,
-    TokenizerMismatch,
     read_manifest,
     token_dtype,
     write_manifest,
@@ -212,7 +213,7 @@ def _provenance(
 
 def _check_destination(out: Path) -> None:
     if out.exists() and not out.is_dir():
-        raise DataError(f"data.dir={out} exists and is not a directory")
+        raise DataError(f"data.dir={out} is a file, not a directory; choose another data.dir")
     if out.is_dir() and not (out / MANIFEST).is_file() and any(out.iterdir()):
         raise DataError(
             f"data.dir={out} exists, is not empty and has no {MANIFEST}; refusing to replace it "
@@ -221,11 +222,19 @@ def _check_destination(out: Path) -> None:
 
 
 def _given_tokenizer(cfg: Config) -> Tokenizer | None:
-    """data.tokenizer, checked against model.vocab_size; None when lmsys-prepare trains one."""
+    """data.tokenizer, checked against the model's tokenizer size (model.tokenizer_vocab_size, else
+    model.vocab_size); None when lmsys-prepare trains one."""
     d = cfg.data
     if not d.tokenizer:
         return None
     given = Tokenizer(Path(d.tokenizer).expanduser())
+    if cfg.model.tokenizer_vocab_size is not None:
+        if given.vocab_size != cfg.model.tokenizer_vocab_size:
+            raise DataError(
+                f"data.tokenizer={d.tokenizer} has vocab_size {given.vocab_size} but the model reads a "
+                f"tokenizer of model.tokenizer_vocab_size={cfg.model.tokenizer_vocab_size} pieces"
+            )
+        return given
     if given.vocab_size != cfg.model.vocab_size:
         raise DataError(
             f"data.tokenizer={d.tokenizer} has vocab_size {given.vocab_size} but model.vocab_size="
@@ -239,16 +248,11 @@ def _reusable(
     out: Path, fingerprint: dict[str, Any], given: Tokenizer | None, given_path: str | None
 ) -> bool:
     """Whether `out` already holds these sources prepared with these settings (then it is kept).
-    Refuses (DataError) to replace shards that another tokenizer than the given one made."""
+    A prepared directory that differs, or that does not check out, is never replaced without
+    data.overwrite=true: DataError saying what differs and how to proceed."""
     if not (out / MANIFEST).is_file():
         return False
-    try:
-        manifest = read_manifest(out)
-    except TokenizerMismatch:
-        raise  # someone put a tokenizer there: re-preparing would silently replace it
-    except DataError as e:
-        _say(f"{out} will be prepared again: {e}")
-        return False
+    manifest = read_manifest(out)  # a damaged one: its DataError names the problem and the fix
     if _same(manifest.get("fingerprint"), fingerprint):
         s = manifest["splits"]
         _say(
@@ -265,8 +269,70 @@ def _reusable(
             f"data.tokenizer={given_path} (sha256 {given.sha256[:12]}); choose another data.dir "
             "or set data.overwrite=true to encode it again"
         )
-    _say(f"{out} was prepared from other sources or settings; preparing again")
-    return False
+    differences = "; ".join(fingerprint_differences(manifest.get("fingerprint") or {}, fingerprint))
+    raise DataError(
+        f"data.dir={out} was prepared from other {differences}; lmsys-prepare never replaces prepared "
+        "data unasked: choose another data.dir, or set data.overwrite=true to prepare it again (runs "
+        "trained on it keep their own copy of its tokenizer, but cannot resume on other data)"
+    )
+
+
+_SETTINGS = {"seed": "data.seed", "val_fraction": "data.val_fraction", "shard_tokens": "data.shard_tokens"}
+
+
+def fingerprint_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What differs between a prepared directory's fingerprint and this run's, in words: its
+    sources, its tokenizer, its settings (one phrase each)."""
+    found = []
+    if not _same(old.get("sources"), new.get("sources")):
+        found.append(f"sources ({_sources_change(old.get('sources') or {}, new['sources'])})")
+    tokenizer = []
+    if old.get("vocab_size") != new.get("vocab_size"):
+        tokenizer.append(f"vocab_size {old.get('vocab_size')}, now {new.get('vocab_size')}")
+    if not _same(old.get("tokenizer"), new.get("tokenizer")):
+        tokenizer.append(
+            f"{_tokenizer_origin(old.get('tokenizer'))}, now {_tokenizer_origin(new.get('tokenizer'))}"
+        )
+    if tokenizer:
+        found.append(f"tokenizer ({'; '.join(tokenizer)})")
+    settings = [
+        f"{name} {old.get(key)}, now {new.get(key)}"
+        for key, name in {**_SETTINGS, "version": "format version"}.items()
+        if old.get(key) != new.get(key)
+    ]
+    if settings:
+        found.append(f"settings ({', '.join(settings)})")
+    return found or ["settings"]
+
+
+def _tokenizer_origin(section: Any) -> str:
+    if isinstance(section, dict) and "sha256" in section:
+        return f"data.tokenizer with sha256 {str(section['sha256'])[:12]}"
+    return "trained by lmsys-prepare"
+
+
+def _sources_change(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """How two corpus fingerprints differ: another kind, files added, removed or changed, or
+    another reading setting."""
+    if old.get("kind") != new.get("kind") or old.get("kind") != "files":
+        if old.get("kind") == new.get("kind"):  # the default corpus of another Python
+            return f"the default corpus of Python {old.get('python')}, now {new.get('python')}"
+        kinds = {"files": "files", "default": "the default corpus"}
+        return f"{kinds.get(str(old.get('kind')), old.get('kind'))}, now {kinds.get(str(new.get('kind')))}"
+    before = {f[0]: f[1:] for f in old.get("files", [])}
+    after = {f[0]: f[1:] for f in new.get("files", [])}
+    parts = []
+    for label, names in (
+        ("added", [p for p in after if p not in before]),
+        ("removed", [p for p in before if p not in after]),
+        ("changed", [p for p in after if p in before and before[p] != after[p]]),
+    ):
+        if names:
+            parts.append(f"{len(names)} file(s) {label}, e.g. {names[0]}")
+    for key in ("text_field", "on_decode_error", "encoding"):
+        if old.get(key) != new.get(key):
+            parts.append(f"data.{key} {old.get(key)}, now {new.get(key)}")
+    return ", ".join(parts) or "the same files in another order"
 
 
 def _tokenizer_into(tmp: Path, corpus: Corpus, cfg: Config, given: Tokenizer | None) -> Tokenizer:
@@ -299,7 +365,7 @@ def prepare(cfg: Config) -> Path:
     """Prepare (or reuse) `cfg.data.dir`; returns its path. Raises DataError on bad input."""
     d = cfg.data
     out = Path(d.dir).expanduser().resolve()
-    corpus = open_corpus(d.sources, text_field=d.text_field, on_decode_error=d.on_decode_error)
+    corpus = open_corpus(d.sources, d.text_field, d.on_decode_error, d.encoding, d.suffixes)
     if isinstance(corpus, FileCorpus):
         _say(f"sources: {corpus.scan.summary()}")
     given = _given_tokenizer(cfg)

@@ -22,6 +22,7 @@ Writing goes through `ShardWriter` (one split, appending) and `write_manifest`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -54,14 +55,27 @@ def token_dtype(vocab_size: int) -> np.dtype:
 # ----------------------------------------------------------------------------- the manifest
 
 
-def read_manifest(directory: str | Path, prog: str = "lmsys-prepare") -> dict[str, Any]:
+def prepare_again(directory: str | Path) -> str:
+    """What fixes a prepared directory that does not check out."""
+    return f"run `lmsys-prepare data.dir={directory} data.overwrite=true`"
+
+
+def read_manifest(
+    directory: str | Path, full_check_bytes: int | None = None, id_check_bytes: int | None = None
+) -> dict[str, Any]:
     """Load `directory/manifest.json` and check it against the files: every shard exists with
     exactly `tokens * itemsize` bytes, per-split totals add up, the tokenizer file has the
-    recorded sha256, and the shards' ids and checksums check out (lmsys.data.integrity).
-    Raises DataError naming the problem (and the `prog` command that fixes it)."""
+    recorded sha256, and the shards' ids and checksums check out (lmsys.data.integrity, with its
+    limits `full_check_bytes` and `id_check_bytes`). Raises DataError naming the problem (and the
+    lmsys-prepare command that fixes it)."""
     d = Path(directory)
-    hint = f"run `{prog} data.dir={directory}`"
-    redo = f"run `{prog} data.dir={directory} data.overwrite=true`"
+    hint = f"run `lmsys-prepare data.dir={directory}`"
+    redo = prepare_again(directory)
+    if d.exists() and not d.is_dir():
+        raise DataError(
+            f"prepared data directory {directory} is a file, not a directory; name the directory "
+            f"lmsys-prepare wrote (the one holding {MANIFEST})"
+        )
     if not d.is_dir():
         raise DataError(f"prepared data directory {directory} does not exist; {hint} first")
     path = d / MANIFEST
@@ -96,7 +110,7 @@ def read_manifest(directory: str | Path, prog: str = "lmsys-prepare") -> dict[st
             f"the shards in {directory} were made by another tokenizer: {MANIFEST} says sha256 "
             f"{str(tok['sha256'])[:12]}, {tok_path.name} is {sha[:12]}; restore it or {redo}"
         )
-    check_shard_ids(d, manifest, int(tok["vocab_size"]), redo)
+    check_shard_ids(d, manifest, int(tok["vocab_size"]), redo, full_check_bytes, id_check_bytes)
     return manifest
 
 
@@ -247,10 +261,12 @@ class SplitTokens:
     """One split's shards as a single read-only token array (memory-mapped, never loaded)."""
 
     def __init__(self, directory: Path, shards: list[dict[str, Any]], dtype: np.dtype):
+        shards = [s for s in shards if int(s["tokens"]) > 0]
+        self.files = [str(s["file"]) for s in shards]
+        # plain arrays over the maps: slicing one costs a quarter of slicing a np.memmap
         self.shards = [
-            np.memmap(directory / s["file"], dtype=dtype, mode="r", shape=(int(s["tokens"]),))
+            np.asarray(np.memmap(directory / s["file"], dtype=dtype, mode="r", shape=(int(s["tokens"]),)))
             for s in shards
-            if int(s["tokens"]) > 0
         ]
         self.starts = np.cumsum([0] + [len(s) for s in self.shards])  # (n_shards + 1,)
 
@@ -274,15 +290,17 @@ class SplitTokens:
     def locate(self, start: int) -> tuple[str, int]:
         """(shard file name, offset in it) of token `start` of the split: where a sequence comes from."""
         i = int(np.searchsorted(self.starts, start, side="right")) - 1
-        return Path(str(self.shards[i].filename)).name, start - int(self.starts[i])
+        return self.files[i], start - int(self.starts[i])
 
 
 class PreparedData:
     """A prepared directory, checked against its manifest on opening."""
 
-    def __init__(self, directory: str | Path):
+    def __init__(
+        self, directory: str | Path, full_check_bytes: int | None = None, id_check_bytes: int | None = None
+    ):
         self.dir = Path(directory)
-        self.manifest = read_manifest(self.dir)
+        self.manifest = read_manifest(self.dir, full_check_bytes, id_check_bytes)
         tok = self.manifest["tokenizer"]
         self.vocab_size = int(tok["vocab_size"])
         self.eos_id = int(tok["eos_id"])
@@ -299,6 +317,14 @@ class PreparedData:
             self._splits[name] = SplitTokens(self.dir, shards, self.dtype)
         return self._splits[name]
 
+    def split_sha256(self, name: str) -> str:
+        """A digest of split `name` as its manifest records it (each shard's name, size and sha256):
+        what a resumed loader checks it continues on the same tokens."""
+        shards = [
+            [s["file"], s["tokens"], s.get("sha256")] for s in self.manifest["shards"] if s["split"] == name
+        ]
+        return hashlib.sha256(json.dumps(shards).encode("utf-8")).hexdigest()
+
     def check_sequences(self, tokens_per_sample: int) -> None:
         """Refuse data whose train or val split cannot fill one sequence (before a run starts)."""
         for split in SPLITS:
@@ -307,11 +333,24 @@ class PreparedData:
                 raise too_short(self.dir, split, n_tokens, tokens_per_sample)
 
     def check_model(self, model: ModelConfig) -> None:
-        """Refuse a model whose vocabulary differs from the tokenizer the shards were made with."""
+        """Refuse a model whose vocabulary differs from the tokenizer the shards were made with (its
+        model.tokenizer_vocab_size when set: the embedding's rows past it are padding)."""
+        if model.tokenizer_vocab_size is not None:
+            if model.tokenizer_vocab_size != self.vocab_size:
+                raise DataError(
+                    f"model.tokenizer_vocab_size={model.tokenizer_vocab_size} but {self.dir} was tokenized "
+                    f"with a {self.vocab_size}-piece tokenizer; prepare the data with the model's tokenizer"
+                )
+            return
         if model.vocab_size != self.vocab_size:
+            padding = (
+                f" (or model.tokenizer_vocab_size={self.vocab_size}, the rest of the rows padding)"
+                if model.vocab_size > self.vocab_size
+                else ""
+            )
             raise DataError(
                 f"model.vocab_size={model.vocab_size} but {self.dir} was tokenized with a "
-                f"{self.vocab_size}-piece tokenizer; set model.vocab_size={self.vocab_size} or "
+                f"{self.vocab_size}-piece tokenizer; set model.vocab_size={self.vocab_size}{padding} or "
                 f"re-run lmsys-prepare data.dir={self.dir} model.vocab_size={model.vocab_size}"
             )
 

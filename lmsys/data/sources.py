@@ -1,15 +1,21 @@
 """Sources: what `data.sources` names (files, directories, globs) resolved to the files to read,
 and what else it matched, for lmsys.data.corpus.
 
-A file named explicitly is read whatever its name. In a directory or glob: `.txt`, `.md` and
-`.jsonl` files (each optionally `.gz`) are read; files of OTHER_SUFFIXES (data, code, markup,
-media, archives) are skipped; any other file is read when its start is UTF-8 text (sniffed:
-LICENSE, Apache-2.0, systemd.automount, ls.1.gz). A file reached twice (a symlink, a second
-entry) is read once and reported as a duplicate, so the counts of `SourceScan.summary` add up.
+A file named explicitly is read whatever its name, and so is every file a glob matches when the
+glob names a suffix (`src/**/*.py`, `notes/*.cfg`). In a directory, or a glob that names none
+(`corpus/*`): with `data.suffixes` set, exactly the files of those suffixes (each optionally
+`.gz`); else `.txt`, `.md` and `.jsonl` files (each optionally `.gz`) are read, files of
+OTHER_SUFFIXES (data, code, markup, media, archives) are skipped, and any other file is read when
+its start is text (sniffed: LICENSE, Apache-2.0, systemd.automount, ls.1.gz). Text is UTF-8
+unless `data.encoding` says otherwise: a sniffed file whose start is neither text in that
+encoding nor binary (no NUL byte: text in another encoding, such as Latin-1) is named, for the
+corpus to refuse or skip. A file reached twice (a symlink, a second entry) is read once and
+reported as a duplicate, so the counts of `SourceScan.summary` add up.
 """
 
 from __future__ import annotations
 
+import codecs
 import glob
 import gzip
 import os
@@ -70,21 +76,52 @@ def is_supported(path: Path) -> bool:
     return base_suffix(path) in TEXT_SUFFIXES + JSONL_SUFFIXES
 
 
-def looks_like_text(path: Path) -> bool:
-    """Whether a file's first TEXT_SNIFF_BYTES (decompressed, for .gz) are UTF-8 text: no NUL
-    byte, and valid UTF-8 but for a character the cut itself may have split."""
+TEXT, BINARY, OTHER_ENCODING = "text", "binary", "other encoding"
+
+
+def sniff(path: Path, encoding: str = "utf-8") -> str:
+    """What a file's first TEXT_SNIFF_BYTES (decompressed, for .gz) are: TEXT in `encoding` (no
+    NUL character, a character the cut itself split allowed), BINARY (a NUL byte, or unreadable),
+    or OTHER_ENCODING (no NUL byte, yet not text in `encoding`: text in another encoding)."""
     try:
         with open_binary(path) as fh:
             head = fh.read(TEXT_SNIFF_BYTES)
     except (OSError, EOFError, zlib.error):
-        return False
-    if b"\0" in head:
-        return False
+        return BINARY
     try:
-        head.decode("utf-8")
+        text = codecs.getincrementaldecoder(encoding)().decode(head, final=len(head) < TEXT_SNIFF_BYTES)
+    except UnicodeDecodeError:
+        return BINARY if b"\0" in head else OTHER_ENCODING
+    return BINARY if "\0" in text else TEXT
+
+
+def first_undecodable_byte(path: Path, encoding: str) -> tuple[int, int] | None:
+    """(offset, byte) where the start of a file stops being text in `encoding`, for a line naming it."""
+    with open_binary(path) as fh:
+        head = fh.read(TEXT_SNIFF_BYTES)
+    try:
+        codecs.getincrementaldecoder(encoding)().decode(head, final=False)
     except UnicodeDecodeError as e:
-        return e.reason == "unexpected end of data" and len(head) == TEXT_SNIFF_BYTES
-    return True
+        return e.start, head[e.start]
+    return None
+
+
+def names_files(pattern: str) -> bool:
+    """Whether a glob names its files by a suffix (`*.py`, `src/**/*.[ch]`), not just a place
+    (`corpus/*`, `corpus/**`, `*.*`)."""
+    last = Path(pattern).name
+    return "." in last and last.rsplit(".", 1)[1] not in ("", "*")
+
+
+def normal_suffixes(suffixes: Iterable[str]) -> tuple[str, ...]:
+    """data.suffixes as lower-case suffixes with their dot (`py` and `.PY` are `.py`)."""
+    out = []
+    for suffix in suffixes:
+        text = str(suffix).strip().lower()
+        if not text.lstrip("."):
+            raise DataError(f"data.suffixes has an empty entry ({list(suffixes)!r}); give suffixes like .py")
+        out.append(text if text.startswith(".") else f".{text}")
+    return tuple(out)
 
 
 def _is_glob(pattern: str) -> bool:
@@ -107,18 +144,28 @@ class SourceScan:
     duplicates: list[tuple[Path, Path]] = field(default_factory=list)  # (path, the file read instead)
     skipped_binary: list[Path] = field(default_factory=list)  # an unknown suffix, not text
     skipped_type: list[Path] = field(default_factory=list)  # a suffix of OTHER_SUFFIXES (.csv, .py, ...)
+    # an unknown suffix, no NUL byte, not text in data.encoding: refused or skipped by the corpus
+    other_encoding: list[Path] = field(default_factory=list)
+    suffixes: tuple[str, ...] = ()  # data.suffixes: exactly these in a directory, when given
+    encoding: str = "utf-8"  # data.encoding
 
     def pick(self, path: Path) -> bool:
         """Whether a file a directory or glob matched is read (it is counted either way)."""
+        if self.suffixes:
+            if base_suffix(path).lower() in self.suffixes:
+                return True
+            self.skipped_type.append(path)
+            return False
         if is_supported(path):
             return True
         if base_suffix(path).lower() in OTHER_SUFFIXES:
             self.skipped_type.append(path)
             return False
-        if looks_like_text(path):
+        kind = sniff(path, self.encoding)
+        if kind == TEXT:
             self.by_content.add(path.resolve())
             return True
-        self.skipped_binary.append(path)
+        (self.other_encoding if kind == OTHER_ENCODING else self.skipped_binary).append(path)
         return False
 
     def summary(self) -> str:
@@ -136,6 +183,10 @@ class SourceScan:
             kind = ("symlink" if n == 1 else "symlinks") if links else "same file as"
             line += f", {n:,} duplicate{'s' if n > 1 else ''} read once ({kind} {names}{more})"
         skipped = []
+        if self.other_encoding:
+            names = ", ".join(p.name for p in self.other_encoding[:5])
+            more = ", ..." if len(self.other_encoding) > 5 else ""
+            skipped.append(f"{len(self.other_encoding):,} not {self.encoding} text ({names}{more})")
         if self.skipped_binary:
             skipped.append(f"{len(self.skipped_binary):,} binary")
         if self.skipped_type:
@@ -149,27 +200,35 @@ class SourceScan:
     def nothing_readable(self, what: str) -> DataError:
         """The error for a directory or glob that matched files but none to read."""
         why = []
+        if self.other_encoding:
+            why.append(f"{len(self.other_encoding)} not {self.encoding} text")
         if self.skipped_binary:
             why.append(f"{len(self.skipped_binary)} binary")
         if self.skipped_type:
             why.append(f"{len(self.skipped_type)} of other types")
         found = f" (it matched {', '.join(why)})" if why else ""
+        if self.suffixes:
+            return DataError(
+                f"data.sources: {what} has no files of data.suffixes={list(self.suffixes)}{found}"
+            )
         return DataError(f"data.sources: {what} has no {SUPPORTED_HINT} files{found}")
 
 
-def scan_sources(sources: Iterable[str]) -> SourceScan:
+def scan_sources(sources: Iterable[str], suffixes: Iterable[str] = (), encoding: str = "utf-8") -> SourceScan:
     """Expand `data.sources` into the ordered files to read (`SourceScan.files`).
 
     Each entry is a file, a directory (searched recursively, hidden files skipped) or a glob
-    (`**` recurses). A file named explicitly is read whatever its name: as jsonl when it ends in
-    .jsonl(.gz), as text otherwise. In a directory or glob, .txt, .md and .jsonl files (each
-    optionally .gz) are read; files of OTHER_SUFFIXES (.csv, .py, .png, ...) are skipped; any
-    other file (LICENSE, Apache-2.0, systemd.automount, ls.1.gz) is read when its start is UTF-8
-    text, else skipped as binary. Order: entries as given; inside a directory or glob, sorted by
+    (`**` recurses). A file named explicitly, or matched by a glob that names a suffix (`*.py`),
+    is read whatever its name: as jsonl when it ends in .jsonl(.gz), as text otherwise. In a
+    directory or another glob, the files of `suffixes` (data.suffixes) when given; else .txt, .md
+    and .jsonl files (each optionally .gz) are read, files of OTHER_SUFFIXES (.csv, .py, .png, ...)
+    are skipped, and any other file (LICENSE, Apache-2.0, systemd.automount, ls.1.gz) is read when
+    its start is text in `encoding`, skipped as binary when it holds a NUL byte, and named in
+    `other_encoding` otherwise. Order: entries as given; inside a directory or glob, sorted by
     path. A file named twice, or through a symlink, is read once (its first place in the order)
     and counted as a duplicate. Raises DataError for a missing path, or a directory or glob with
     nothing to read."""
-    scan = SourceScan()
+    scan = SourceScan(suffixes=normal_suffixes(suffixes), encoding=encoding)
     files: list[Path] = []
     for entry in sources:
         entry = str(entry)
@@ -181,7 +240,7 @@ def scan_sources(sources: Iterable[str]) -> SourceScan:
             if not matches:
                 raise DataError(f"data.sources: glob {entry!r} matched no files")
             scan.matched += len(matches)
-            picked = [m for m in matches if scan.pick(m)]
+            picked = matches if names_files(expanded) else [m for m in matches if scan.pick(m)]
             if not picked:
                 raise scan.nothing_readable(f"glob {entry!r}")
             files.extend(picked)

@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 from lmsys.core.errors import CheckpointError, LmsysError, NoSpaceError
 from lmsys.core.files import TMP_PREFIX, atomic_write_text, space_checked
+from lmsys.core.rundir import CHECKPOINTS
 from lmsys.engine import checkpoint as ckpt
-from lmsys.engine.rundir import CHECKPOINTS
 from lmsys.engine.zero import persistent_params_kept, safe_torch_load
 
 # ----------------------------------------------------------------------------- host snapshots

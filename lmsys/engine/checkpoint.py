@@ -68,13 +68,15 @@ from lmsys.core.files import (
     space_checked,
     tree_bytes,
 )
-from lmsys.data.tokenizer import TOKENIZER_FILES
+from lmsys.core.rundir import CHECKPOINTS, CONFIG_FILE, RUN_FILE, EvalRecord, read_records, run_dir_of
+from lmsys.engine import zero_to_fp32
 from lmsys.engine.reshard import load_resharded
-from lmsys.engine.rundir import CHECKPOINTS, CONFIG_FILE, RUN_FILE, read_metrics, run_dir_of
+from lmsys.engine.run_tokenizer import TOKENIZER_DIR, find_tokenizer
 from lmsys.engine.zero import consolidated_state_dict, persistent_params_kept, safe_torch_load
 from lmsys.model.weights import model_state_dict
 
 MARKER = "lmsys_checkpoint.json"
+RECOVERY_SCRIPT = "zero_to_fp32.py"  # in checkpoints/: lmsys.engine.zero_to_fp32
 LATEST = "latest"
 DAMAGED = "damaged"  # where pruning and resume move damaged checkpoints
 FORMAT = "lmsys-checkpoint"
@@ -218,7 +220,7 @@ def save(
     """Save the checkpoint of `state.step` atomically (see the module docstring). Every rank calls
     this. rank_state: JSON-able, this rank's own (loader position, RNG states). warn: reports
     damaged checkpoints that pruning moves aside. pause_s: fault injection, a sleep while the
-    files are written but not committed (trainer.debug_save_delay_s). Returns the final
+    files are written but not committed (debug.save_delay_s). Returns the final
     checkpoint directory."""
     root = run_dir / CHECKPOINTS
     refuse_nonfinite(engine, state.step, root)
@@ -319,6 +321,9 @@ def commit(
     atomic_write_text(tmp_dir / MARKER, json.dumps(marker, indent=1))
     install_dir(tmp_dir, final_dir)  # replaces a damaged checkpoint of this step after a fall-back
     atomic_write_text(root / LATEST, tag)
+    if (root / RECOVERY_SCRIPT).is_file():  # DeepSpeed's, written by every ZeRO save: lmsys's instead
+        atomic_write_text(root / RECOVERY_SCRIPT, Path(zero_to_fp32.__file__).read_text(encoding="utf-8"))
+        (root / RECOVERY_SCRIPT).chmod((root / RECOVERY_SCRIPT).stat().st_mode | 0o111)  # as DeepSpeed's
     prune(root, keep_last, keep=(final_dir,), warn=warn)
     return final_dir
 
@@ -545,9 +550,14 @@ def check_compatible(
             f"with optim={optimizer} model.init_from=<the export>"
         )
     if state.tokenizer_sha256 != tokenizer_sha256:
+        data_dir = (state.config.get("data") or {}).get("dir")
+        run_dir = (state.config.get("trainer") or {}).get("run_dir") or "<the run directory>"
         raise CheckpointError(
             f"cannot resume: the data's tokenizer (sha256 {tokenizer_sha256[:12]}) differs from the "
-            f"checkpoint's ({state.tokenizer_sha256[:12]}); use the data.dir it was trained on"
+            f"checkpoint's ({state.tokenizer_sha256[:12]}): the data was prepared again, or is another "
+            f"corpus (the run trained on data.dir={data_dir}); prepare the run's sources into a new "
+            f"data.dir with data.tokenizer={run_dir}/{TOKENIZER_DIR} (the copy of its tokenizer the "
+            "run keeps) and resume with that data.dir"
         )
 
 
@@ -609,52 +619,10 @@ def read_checkpoint(path: str | Path | Checkpoint, tokenizer: str | Path | None 
     tokenizer and provenance; nothing is written."""
     ckpt = path if isinstance(path, Checkpoint) else resolve(path)
     cfg = ckpt.state.model_config(ckpt.tag_dir)
-    tokenizer_path = find_tokenizer(ckpt, tokenizer)
+    data = ckpt.state.config.get("data") or {}
+    tokenizer_path = find_tokenizer(ckpt.state.tokenizer_sha256, data, ckpt.tag_dir, ckpt.run_dir, tokenizer)
     weights = model_state_dict(consolidated_state_dict(ckpt.tag_dir, ckpt.state.zero_stage), cfg)
     return LoadedCheckpoint(cfg, weights, tokenizer_path, provenance(ckpt), ckpt.state.config)
-
-
-def find_tokenizer(ckpt: Checkpoint, explicit: str | Path | None = None) -> Path:
-    """The tokenizer file (tokenizer.model or tokenizer.json) a checkpoint was trained with:
-    `explicit` (a file, or a directory holding one), else one next to the checkpoint or run, else
-    in the prepared data dir of its config (data.dir, data.tokenizer); its sha256 must be the one
-    the checkpoint records."""
-    want = ckpt.state.tokenizer_sha256
-    data = ckpt.state.config.get("data") or {}
-    if explicit is not None:
-        places = [Path(explicit)]
-    else:
-        places = [ckpt.tag_dir]
-        if ckpt.run_dir is not None:
-            places.append(ckpt.run_dir)
-        if data.get("dir"):
-            places.append(Path(data["dir"]))
-            if ckpt.run_dir is not None and not Path(data["dir"]).is_absolute():
-                places.append(ckpt.run_dir.parent.parent / data["dir"])
-        if data.get("tokenizer"):
-            places.append(Path(data["tokenizer"]))
-    # a directory may hold either kind; a file names itself
-    candidates = [p / name for p in places if p.is_dir() for name in TOKENIZER_FILES]
-    candidates += [p for p in places if not p.is_dir()]
-    seen = []
-    for cand in candidates:
-        if not cand.is_file():
-            if explicit is not None and not Path(explicit).is_dir():
-                raise CheckpointError(f"tokenizer={cand} does not exist")
-            continue
-        sha = sha256_file(cand)
-        if sha == want:
-            return cand
-        seen.append(f"{cand} (sha256 {sha[:12]})")
-    if seen:
-        raise CheckpointError(
-            f"the tokenizer does not match the model: the checkpoint was trained with sha256 "
-            f"{want[:12]}, found {', '.join(seen)}; pass tokenizer=<the data dir's tokenizer file>"
-        )
-    raise CheckpointError(
-        f"cannot find the tokenizer of checkpoint {ckpt.tag_dir} (looked in the checkpoint, the run and "
-        f"data.dir={data.get('dir')!r}); pass tokenizer=<path to tokenizer.model or tokenizer.json>"
-    )
 
 
 def provenance(ckpt: Checkpoint) -> dict[str, Any]:
@@ -679,9 +647,9 @@ def provenance(ckpt: Checkpoint) -> dict[str, Any]:
     if ckpt.run_dir is not None:
         evals = [
             r
-            for r in read_metrics(ckpt.run_dir, "eval")
-            if isinstance(r.get("loss"), (int, float)) and r.get("step", state.step + 1) <= state.step
+            for r in read_records(ckpt.run_dir, EvalRecord)
+            if isinstance(r.loss, (int, float)) and r.step <= state.step
         ]
         if evals:
-            info["val_loss"], info["val_step"] = evals[-1]["loss"], evals[-1]["step"]
+            info["val_loss"], info["val_step"] = evals[-1].loss, evals[-1].step
     return info

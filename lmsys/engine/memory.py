@@ -65,12 +65,18 @@ def block_saved_elements(cfg: Config) -> int:
     m, dims = cfg.model, model_dims(cfg.model)
     d, f, h = m.d_model, dims.d_ff, m.n_heads
     norm_own, norm_in = _norm_saved(m.norm.formula, m.norm.affine, d)
-    qkv = h * (2 * dims.d_qk + dims.d_vo)  # q, k, v (after their biases) saved by attention
+    qk_heads = (h + dims.n_kv_heads) * dims.d_qk  # queries and keys (grouped-query: fewer keys)
+    qkv = qk_heads + dims.n_kv_heads * dims.d_vo  # q, k, v (after their biases) saved by attention
     # + its output and log-sum-exp; the heads' concatenation is a view of the output (its layout)
     attention = qkv + h * dims.d_vo + h
     if m.attention.softmax == "matrix":
         attention += 2 * h * cfg.data.seq_len  # the whole score matrix and its softmax per query
+    # The Llama family's torch references, counted roughly: the rotation keeps the heads it turns and
+    # their rotate_half; QK-norm its input and normalised heads.
+    attention += 2 * qk_heads * (int(m.positions.kind == "rotary") + int(m.attention.qk_norm))
     ffn_layer = f if m.ffn.activation == "relu" else 2 * f  # relu backward needs only its output
+    if m.ffn.gated:  # phi's input (the gate), the up projection, phi(gate)
+        ffn_layer = 3 * f
     if m.ffn.bias_after_activation and m.ffn.bias:
         ffn_layer += f
     ffn = d + ffn_layer * m.ffn.n_hidden_layers  # its input, each hidden layer

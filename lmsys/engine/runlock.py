@@ -4,7 +4,7 @@ overwrite the first one's checkpoints and mix its metrics.jsonl rows.
 
     <run_dir>/run.lock      {"host": ..., "pid": ..., "since": ..., "slurm_job_id": ...}
 
-Rank 0 takes the lock before it writes anything into the run directory (lmsys.training.run_plan)
+Rank 0 takes the lock before it writes anything into the run directory (lmsys.training.preflight)
 and holds it until the process ends. Taking it is atomic: an exclusive `flock` on the file, which
 the kernel drops when its holder dies however it dies (kill -9 included), so a lock left by a dead
 process is taken over at once. The file's JSON names the holder, for the refusal line and for
@@ -20,7 +20,8 @@ the fall-backs:
 On NFS, flock works across nodes only where the mount forwards locks to the server (NFSv4, or v3
 with lockd; not `local_lock=all`); elsewhere it guards one node, and the SLURM rule still holds.
 Releasing empties the file (a file left in place, never unlinked: unlinking a locked file lets two
-launches lock two different files of one name).
+launches lock two different files of one name), also on the hang watchdog's exit (`release_held`);
+only a holder killed outright leaves its name there, for the next launch to take over.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from lmsys.core.errors import ConfigError
 
 LOCK_FILE = "run.lock"
 RETRIES = 10
+_HELD: list[RunLock] = []  # the locks this process holds (release_held)
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,7 @@ class RunLock:
             os.close(fd)  # closing drops a flock this process took
             raise
         self._fd = fd
+        _HELD.append(self)
         if announce:
             self.announce()
         return self
@@ -177,6 +180,8 @@ class RunLock:
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
+        if self in _HELD:
+            _HELD.remove(self)
         if self._announced:
             with contextlib.suppress(OSError):
                 _write_holder(fd, None)
@@ -191,6 +196,13 @@ class RunLock:
             with contextlib.suppress(OSError):
                 self.path.unlink()
                 self.run_dir.rmdir()
+
+
+def release_held() -> None:
+    """Release every lock this process holds: for an exit that skips the code which would (the
+    hang watchdog's os._exit), so the file does not go on naming a process that is gone."""
+    for lock in list(_HELD):
+        lock.release()
 
 
 def holder_of(run_dir: Path) -> Holder | None:

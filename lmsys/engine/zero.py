@@ -1,7 +1,7 @@
 """DeepSpeed: the only module of lmsys that knows about ZeRO.
 
 Parallelism is applied to the single-device `Transformer` from outside, in this fixed order
-(the batch arithmetic before it is lmsys.core.runtime.batch_plan):
+(the batch arithmetic before it is lmsys.core.runtime.split_batch):
 
 1. `apply_activation_checkpointing`: each block's forward is wrapped in
    `torch.utils.checkpoint` (recomputed in the backward) when deepspeed.activation_checkpointing.
@@ -32,7 +32,6 @@ costs seconds that the export tools and the CPU paths do not need to pay.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import io
 import logging
 import math
@@ -54,9 +53,10 @@ from torch.utils.checkpoint import checkpoint
 
 from lmsys.core.config import Config, OptimConfig, compile_choice
 from lmsys.core.errors import CheckpointError
-from lmsys.core.runtime import BatchPlan
+from lmsys.core.runtime import BatchSplit
 from lmsys.engine.muon import build_muon, import_muon_lazily
 from lmsys.engine.quiet import quiet_overflow, skip_cpu_collectives_op, without_build_lines
+from lmsys.engine.zero_to_fp32 import safe_torch_load, weights_only
 from lmsys.model.compiling import compile_blocks, compile_module, wants_compile
 
 # ----------------------------------------------------------------------------- the process group
@@ -167,10 +167,10 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
     for block in blocks:
         inner = block.forward
 
-        def forward(x, cache=None, layer=0, key_mask=None, _inner=inner):
+        def forward(x, cache=None, layer=0, key_mask=None, rope=None, _inner=inner):
             if cache is not None or not torch.is_grad_enabled():  # generation / eval: nothing to save
-                return _inner(x, cache, layer, key_mask)
-            return checkpoint(_inner, x, None, layer, key_mask, use_reentrant=False)
+                return _inner(x, cache, layer, key_mask, rope)
+            return checkpoint(_inner, x, None, layer, key_mask, rope, use_reentrant=False)
 
         block.forward = forward
     return len(blocks)
@@ -261,7 +261,7 @@ def build_optimizer(
 
 def deepspeed_config(
     cfg: Config,
-    plan: BatchPlan,
+    batch: BatchSplit,
     device: torch.device,
     precision: str,
     optimizer_section: dict[str, Any] | None = None,
@@ -290,9 +290,9 @@ def deepspeed_config(
             zero["reduce_scatter"] = False
         zero["stage3_prefetch_bucket_size"] = ds.allgather_bucket_size
     config: dict[str, Any] = {
-        "train_batch_size": plan.global_batch_sequences,
-        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
-        "gradient_accumulation_steps": plan.grad_accum,
+        "train_batch_size": batch.global_batch_sequences,
+        "train_micro_batch_size_per_gpu": batch.micro_batch_size,
+        "gradient_accumulation_steps": batch.grad_accum,
         "gradient_clipping": cfg.optim.grad_clip,
         "zero_optimization": zero,
         "bf16": {"enabled": precision == "bf16"},
@@ -331,7 +331,7 @@ class EngineInfo:
 
 
 def initialize(
-    model: nn.Module, cfg: Config, plan: BatchPlan, device: torch.device, precision: str
+    model: nn.Module, cfg: Config, batch: BatchSplit, device: torch.device, precision: str
 ) -> tuple[Any, EngineInfo, dict[str, Any]]:
     """Wrap the model into a DeepSpeed engine. Returns (engine, info, the DeepSpeed JSON).
 
@@ -351,7 +351,7 @@ def initialize(
     if compiled:  # before DeepSpeed wraps it (and registers its ZeRO-3 hooks)
         apply_compile(model, module, cfg.deepspeed.stage, strict=choice == "true")
     client_opt, opt_section, groups, opt_kind = build_optimizer(model, cfg, device, compiled)
-    ds_config = deepspeed_config(cfg, plan, device, precision, opt_section)
+    ds_config = deepspeed_config(cfg, batch, device, precision, opt_section)
     engine, _, _, _ = deepspeed.initialize(
         model=module,
         optimizer=client_opt,
@@ -363,7 +363,7 @@ def initialize(
         stage=cfg.deepspeed.stage,
         precision=precision,
         device=str(device),
-        world_size=plan.world_size,
+        world_size=batch.world_size,
         optimizer=opt_kind,
         activation_checkpointing=cfg.deepspeed.activation_checkpointing,
         offload_optimizer=cfg.deepspeed.offload_optimizer,
@@ -525,57 +525,18 @@ def shard_stats(engine: Any) -> dict[str, int]:
 
 # ----------------------------------------------------------------------------- reading checkpoints back
 
-# DeepSpeed pickles a few of its own plain data classes into optimizer-state files. They are
-# allowlisted for `torch.load(weights_only=True)`, which only rebuilds these types and tensors;
-# anything else in a pickle is refused.
-_DEEPSPEED_SAFE_GLOBALS = (
-    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
-    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
-    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
-    ("deepspeed.utils.tensor_fragment", "fragment_address"),
-)
-
-
-def _safe_globals() -> list[Any]:
-    found = []
-    for module, name in _DEEPSPEED_SAFE_GLOBALS:
-        with contextlib.suppress(Exception):
-            found.append(getattr(importlib.import_module(module), name))
-    return found
-
-
-def safe_torch_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool | None = None) -> Any:
-    """torch.load with weights_only=True (never unpickles code) and DeepSpeed's data classes."""
-    with torch.serialization.safe_globals(_safe_globals()):
-        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-
-
-class _WeightsOnlyTorch:
-    """Stands in for the `torch` module inside deepspeed.utils.zero_to_fp32 while it runs, so its
-    `torch.load(..., weights_only=False)` calls become weights-only loads."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-    @staticmethod
-    def load(
-        f: Any, map_location: Any = None, weights_only: bool | None = None, mmap: bool | None = None, **_: Any
-    ):
-        return safe_torch_load(f, map_location=map_location, mmap=mmap)
-
 
 @contextlib.contextmanager
 def _quiet_and_safe(zero_to_fp32: Any) -> Iterator[io.StringIO]:
     """zero_to_fp32 prints progress to stdout and tqdm bars to stderr: capture both, and make
     its torch.load weights-only for the duration."""
     captured = io.StringIO()
-    original = zero_to_fp32.torch
     ds_logger = logging.getLogger("DeepSpeed")
     level = ds_logger.level
-    zero_to_fp32.torch = _WeightsOnlyTorch()
     ds_logger.setLevel(logging.ERROR)
     try:
         with (
+            weights_only(zero_to_fp32),
             contextlib.redirect_stdout(captured),
             contextlib.redirect_stderr(captured),
             warnings.catch_warnings(),
@@ -583,7 +544,6 @@ def _quiet_and_safe(zero_to_fp32: Any) -> Iterator[io.StringIO]:
             warnings.simplefilter("ignore")
             yield captured
     finally:
-        zero_to_fp32.torch = original
         ds_logger.setLevel(level)
 
 

@@ -44,6 +44,7 @@ from lm_eval.utils import (
     simple_parse_args_string,
 )
 
+from lmsys.core.choices import KERNEL_CHOICES
 from lmsys.core.config import context_prefix, tokens_per_sample
 from lmsys.core.errors import UsageError
 from lmsys.core.runtime import resolve_device, resolve_dtype
@@ -91,19 +92,25 @@ class LmsysLM(TemplateLM):
         max_gen_toks: int = 256,
         seed: int | None = 1234,
         tokenizer: str | None = None,
+        kernels: str | None = None,
         **unknown: Any,
     ) -> None:
         super().__init__()
         unknown.pop("max_batch_size", None)  # lm_eval's auto-batching bound: unused without batch_size=auto
         if unknown:
-            valid = "path, device, dtype, batch_size, max_length, max_gen_toks, seed, tokenizer"
+            valid = "path, device, dtype, batch_size, max_length, max_gen_toks, seed, tokenizer, kernels"
             raise HarnessError(f"unknown model_args {', '.join(sorted(unknown))}; valid: {valid}")
         if not path or not Path(path).exists():
             given = f"path={path} does not exist" if path else "model_args path= is required"
             raise HarnessError(f"{given} (expected an lmsys export directory or a training checkpoint)")
         self.path, self.batch_size = str(path), _batch_size(batch_size)
         self._device = _device(device)
-        self.model, self.tok, self.meta = load_model(path, self._device, resolve_dtype(dtype), tokenizer)
+        if kernels is not None and kernels not in KERNEL_CHOICES:
+            valid = ", ".join(KERNEL_CHOICES)
+            raise HarnessError(f"kernels={kernels!r} is not valid; choose one of: {valid}")
+        self.model, self.tok, self.meta = load_model(
+            path, self._device, resolve_dtype(dtype), tokenizer, kernels=kernels
+        )
         prepare_kernels(self.model.cfg.kernels, self._device, next(self.model.parameters()).dtype)
         cfg = self.model.cfg
         window = cfg.max_seq_len

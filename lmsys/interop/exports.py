@@ -9,9 +9,10 @@ An export directory (format=lmsys) holds:
 - the tokenizer the checkpoint was trained with (sha256-checked, lmsys.data.tokenizer): lmsys's
   `tokenizer.model`, or a Hugging Face `tokenizer.json` with its `tokenizer_config.json`;
 - `README.md`: a model card (preset, steps, tokens seen, final train and validation loss).
-format=hf writes a directory that transformers' `GPT2LMHeadModel.from_pretrained` loads
-(`config.json` is then a GPT2Config; see lmsys/interop/hf.py), for configs with GPT-2's function only,
-and that `AutoTokenizer.from_pretrained` loads with lmsys's ids: a SentencePiece tokenizer gets a
+format=hf writes a directory that transformers' `AutoModelForCausalLM.from_pretrained` loads, for
+configs with GPT-2's function (`config.json` a GPT2Config: lmsys/interop/hf.py) or the Llama family's
+(a LlamaConfig, Qwen2Config, Qwen3Config or MistralConfig: lmsys/interop/hf_llama.py), and that
+`AutoTokenizer.from_pretrained` loads with lmsys's ids: a SentencePiece tokenizer gets a
 `tokenizer.json` and `tokenizer_config.json` beside its `tokenizer.model` (lmsys/interop/hf_tokenizer.py,
 checked on a broad sample of text before anything is written).
 
@@ -46,15 +47,14 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from lmsys.core.config import ModelConfig, model_config_from_dict, model_dims
+from lmsys.core.config import ModelConfig, model_config_from_dict, model_dims, tokenizer_size
 from lmsys.core.console import warn as console_warn
 from lmsys.core.errors import ConfigError, DataError, ExportError, UsageError
 from lmsys.core.files import fsync_files, install_dir, sibling, space_checked, usual_permissions
 from lmsys.core.runtime import dtype_name
 from lmsys.data.tokenizer import HF_TOKENIZER_CONFIG, TOKENIZER_FILES, Tokenizer, tokenizer_file
 from lmsys.engine.checkpoint import model_differences, read_checkpoint, resolve
-from lmsys.interop import hf
-from lmsys.interop.hf import read_hf_checkpoint
+from lmsys.interop import hf, hf_llama
 from lmsys.interop.hf_tokenizer import write_transformers_tokenizer
 from lmsys.model.transformer import Transformer
 from lmsys.model.weights import TIED_KEY, build_model, check_tensors, expected_shapes, read_safetensors
@@ -117,7 +117,7 @@ def model_card(
         ("exported", time.strftime("%Y-%m-%d %H:%M:%S")),
     ]
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
-    fmt_line = "Hugging Face GPT-2 format" if fmt == "hf" else "lmsys export format"
+    fmt_line = f"Hugging Face format, {hf_class(cfg)}" if fmt == "hf" else "lmsys export format"
     made = (
         f"imported into lmsys from `{info['imported_from']}`"
         if info.get("imported_from")
@@ -126,7 +126,7 @@ def model_card(
     return (
         f"# {cfg.name} ({info.get('run') or 'lmsys model'})\n\n"
         f"A decoder transformer language model {made} ({fmt_line}).\n\n"
-        f"| | |\n|---|---|\n{table}\n\n## Loading\n\n{_loading(fmt)}"
+        f"| | |\n|---|---|\n{table}\n\n## Loading\n\n{_loading(fmt, hf_class(cfg))}"
     )
 
 
@@ -138,7 +138,7 @@ def _tokenizer_row(tok: Tokenizer, fmt: str) -> str:
     return f"{tok.file_name} (SentencePiece BPE, {eos}, sha256 {tok.sha256[:16]}){also}"
 
 
-def _loading(fmt: str) -> str:
+def _loading(fmt: str, model_class: str) -> str:
     if fmt != "hf":
         return (
             "```python\nfrom lmsys.export import load_export\n\n"
@@ -146,9 +146,9 @@ def _loading(fmt: str) -> str:
             'or `python -m lmsys.generate model=<this directory> prompt="..."`.\n'
         )
     return (
-        "```python\nimport torch\nfrom transformers import AutoTokenizer, GPT2LMHeadModel\n\n"
+        f"```python\nimport torch\nfrom transformers import AutoTokenizer, {model_class}\n\n"
         'tokenizer = AutoTokenizer.from_pretrained("<this directory>")\n'
-        'model = GPT2LMHeadModel.from_pretrained("<this directory>")\n'
+        f'model = {model_class}.from_pretrained("<this directory>")\n'
         "# lmsys trained every document after an end-of-document token: start a prompt with one\n"
         'ids = torch.tensor([[tokenizer.eos_token_id] + tokenizer("The module")["input_ids"]])\n'
         "out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)\n"
@@ -294,7 +294,7 @@ def _write_files(
     metadata = _metadata(cfg, info, fmt, dtype)
     tok.copy_to(tmp, model_max_length=cfg.max_seq_len)  # what lmsys reads back
     if fmt == "hf":
-        config_json, tensors = hf.to_hf(cfg, stored, tok, dtype)
+        config_json, tensors = _converter(cfg).to_hf(cfg, stored, tok, dtype)
         _write_json(tmp / hf.GENERATION_CONFIG_FILE, hf.generation_config(tok))
         if tok.kind == "sentencepiece":  # (a tokenizer.json is transformers' own already)
             write_transformers_tokenizer(tmp, tok, model_max_length=cfg.max_seq_len)
@@ -350,7 +350,7 @@ def export_checkpoint(
         return write_export(out, model.cfg, model.state_dict(), tok.path, info, dtype, fmt, overwrite, verify)
     ckpt = resolve(checkpoint, warn=warn or (lambda message: console_warn("lmsys-export", message)))
     if fmt == "hf":  # refuse before the (slow) consolidation
-        hf.require_gpt2(ckpt.state.model_config(ckpt.tag_dir))
+        require_hf(ckpt.state.model_config(ckpt.tag_dir))
     loaded = read_checkpoint(ckpt, tokenizer)
     info = {**loaded.info, "init_from": (loaded.train_config.get("model") or {}).get("init_from")}
     return write_export(
@@ -367,9 +367,13 @@ def is_export_dir(path: str | os.PathLike) -> bool:
 
 
 def load_export(
-    directory: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    directory: str | os.PathLike,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    kernels: str | None = None,
 ) -> tuple[Transformer, Tokenizer, dict[str, Any]]:
-    """(Transformer in eval mode, Tokenizer, meta) of an export directory (lmsys or hf format).
+    """(Transformer in eval mode, Tokenizer, meta) of an export directory (lmsys or hf format),
+    running the kernels `kernels` says (auto, triton, torch; None: the model's model.kernels).
 
     Checks: the safetensors names and shapes match config.json (ExportError naming the first
     mismatching tensor), the tokenizer has the model's vocabulary size and, when the export
@@ -392,9 +396,10 @@ def load_export(
     meta: dict[str, Any] = {}
     with contextlib.suppress(ValueError, TypeError):
         meta = json.loads(metadata.get("lmsys_meta", "{}"))
-    if config.get("model_type") == "gpt2":
-        cfg = hf.model_config_from_hf(config, metadata.get("lmsys_model_config"))
-        state = hf.from_hf(cfg, tensors, label=str(d / WEIGHTS_FILE))
+    if "model_type" in config:  # a transformers config.json (lmsys's have none)
+        cfg, state = transformers_model(
+            config, tensors, metadata, str(d / WEIGHTS_FILE), str(d / CONFIG_FILE)
+        )
         meta.setdefault("format", "hf")
     else:
         try:
@@ -411,7 +416,7 @@ def load_export(
             f"the tokenizer does not match the model: {tok.path} has sha256 {tok.sha256[:12]}, "
             f"the model was trained with {str(want)[:12]}"
         )
-    model = build_model(cfg, state, device=device, dtype=dtype)
+    model = build_model(replace(cfg, kernels=kernels or cfg.kernels), state, device=device, dtype=dtype)
     meta["path"] = str(d)
     return model, tok, meta
 
@@ -422,20 +427,23 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     tokenizer: str | os.PathLike | None = None,
     warn: Callable[[str], None] | None = None,
+    kernels: str | None = None,
 ) -> tuple[Transformer, Tokenizer, dict[str, Any]]:
     """(model, tokenizer, meta) from an export directory or a training checkpoint (run dir,
     checkpoints/ dir or tag dir, chosen by lmsys.engine.checkpoint's one rule, damaged newer ones
-    reported through `warn`; consolidated in memory, nothing written)."""
+    reported through `warn`; consolidated in memory, nothing written). `kernels` overrides the
+    model's model.kernels (auto, triton, torch)."""
     p = Path(path)
     if not p.exists():
         raise ExportError(f"model={p} does not exist (expected an export directory or a checkpoint)")
     if is_export_dir(p):
         if tokenizer is not None:
             raise UsageError("tokenizer= is only for checkpoints; an export directory carries its own")
-        return load_export(p, device=device, dtype=dtype)
+        return load_export(p, device=device, dtype=dtype, kernels=kernels)
     loaded = read_checkpoint(resolve(p, warn=warn), tokenizer)
     tok = matching_tokenizer(loaded.tokenizer_path, loaded.cfg)
-    model = build_model(loaded.cfg, loaded.state, device=device, dtype=dtype)
+    cfg = replace(loaded.cfg, kernels=kernels or loaded.cfg.kernels)
+    model = build_model(cfg, loaded.state, device=device, dtype=dtype)
     meta = {**loaded.info, "format": "checkpoint", "path": str(p), "train_config": loaded.train_config}
     return model, tok, meta
 
@@ -444,17 +452,20 @@ def matching_tokenizer(path: Path, cfg: ModelConfig) -> Tokenizer:
     """The tokenizer at `path` (a file or a directory holding one), which must have the model's
     vocabulary size."""
     tok = Tokenizer(path)
-    if tok.vocab_size != cfg.vocab_size:
+    if tok.vocab_size != tokenizer_size(cfg):
+        key = "vocab_size" if cfg.tokenizer_vocab_size is None else "tokenizer_vocab_size"
         raise ExportError(
             f"the tokenizer does not match the model: {tok.path} has {tok.vocab_size} pieces, "
-            f"model.vocab_size={cfg.vocab_size}"
+            f"model.{key}={tokenizer_size(cfg)}"
         )
     return tok
 
 
 # Model keys that name or initialise a model without changing its function: the export's weights
 # replace the initialisation, and a fine-tuned model may carry another name.
-_INIT_FROM_IGNORED = frozenset({"model.name", "model.init_std"})
+_INIT_FROM_IGNORED = frozenset(
+    {"model.name", "model.init_std", "model.hf_model_type", "model.tokenizer_vocab_size"}
+)
 
 
 def _function_dict(cfg: ModelConfig) -> dict[str, Any]:
@@ -510,6 +521,70 @@ def initial_model(directory: str | os.PathLike, cfg: ModelConfig, data_tokenizer
     return model
 
 
+# ----------------------------------------------------------------------------- transformers checkpoints
+
+TRANSFORMERS_TYPES = ("gpt2", *hf_llama.MODEL_TYPES)  # the model_type values lmsys reads
+
+
+def _converter(cfg: ModelConfig):  # noqa: ANN202 (a module: hf or hf_llama)
+    """The module that maps `cfg` to transformers: the Llama family's for rotary models, GPT-2's else."""
+    return hf_llama if cfg.positions.kind == "rotary" else hf
+
+
+def require_hf(cfg: ModelConfig) -> None:
+    """ExportError naming the first option format=hf cannot express for `cfg`."""
+    if cfg.positions.kind == "rotary":
+        hf_llama.require_family(cfg)
+    else:
+        hf.require_gpt2(cfg)
+
+
+def hf_class(cfg: ModelConfig) -> str:
+    """The transformers class format=hf writes for `cfg` (GPT2LMHeadModel, LlamaForCausalLM, ...)."""
+    if cfg.positions.kind == "rotary":
+        return hf_llama.ARCHITECTURES[hf_llama.model_type_for(cfg)]
+    return "GPT2LMHeadModel"
+
+
+def transformers_model(
+    config: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    metadata: dict[str, str],
+    label: str,
+    config_label: str,
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The lmsys config and state dict of a transformers checkpoint (its config.json, tensors and
+    safetensors metadata), gpt2 or the Llama family; the lmsys config recorded by a format=hf
+    export is used when present."""
+    recorded = metadata.get("lmsys_model_config")
+    if config.get("model_type") == "gpt2":
+        cfg = hf.model_config_from_hf(config, recorded)
+        return cfg, hf.from_hf(cfg, tensors, label=label)
+    cfg = hf_llama.model_config_from_hf(config, recorded, label=config_label)
+    return cfg, hf_llama.from_hf(cfg, tensors, label=label)
+
+
+def read_hf_checkpoint(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], bool]:
+    """(lmsys config, state dict, whether the config was recorded by lmsys) of a transformers
+    checkpoint directory (`save_pretrained`'s config.json and weights) of a model_type lmsys reads."""
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        raise ExportError(f"{directory} has no config.json: it is not a transformers checkpoint directory")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"{path} is not valid JSON ({exc})") from exc
+    kind = config.get("model_type") if isinstance(config, dict) else None
+    if kind not in TRANSFORMERS_TYPES:
+        raise ExportError(
+            f"{path} has model_type {kind!r}; lmsys reads checkpoints of model_type "
+            f"{', '.join(TRANSFORMERS_TYPES)}"
+        )
+    tensors, metadata, label = hf.read_hf_weights(directory)
+    cfg, state = transformers_model(config, tensors, metadata, label, str(path))
+    return cfg, state, bool(metadata.get("lmsys_model_config"))
+
+
 def import_checkpoint(
     hf_dir: str | os.PathLike,
     out: str | os.PathLike,
@@ -518,13 +593,18 @@ def import_checkpoint(
     overwrite: bool = False,
     verify: bool = True,
 ) -> Path:
-    """Write the lmsys export of a transformers GPT-2 directory; returns `out`."""
+    """Write the lmsys export of a transformers directory (GPT-2, Llama, Qwen2, Qwen3, Mistral);
+    returns `out`. A tokenizer with fewer pieces than the model's vocabulary (Qwen pads its
+    embedding) is recorded as the model's model.tokenizer_vocab_size."""
     source = Path(hf_dir).expanduser()
     if not source.is_dir():
         raise ExportError(f"{source} is not a directory (expected a transformers checkpoint directory)")
-    cfg, state = read_hf_checkpoint(source)
-    if cfg.name == "gpt2-hf":  # no lmsys config recorded: name it after its directory
-        cfg = replace(cfg, name=re.sub(r"[^A-Za-z0-9._-]+", "-", source.resolve().name) or "gpt2-hf")
+    cfg, state, recorded = read_hf_checkpoint(source)
+    if not recorded:  # name it after its directory
+        cfg = replace(cfg, name=re.sub(r"[^A-Za-z0-9._-]+", "-", source.resolve().name) or cfg.name)
     tok_path = tokenizer_file(tokenizer if tokenizer is not None else source)
+    pieces = Tokenizer(tok_path).vocab_size
+    if cfg.tokenizer_vocab_size is None and pieces < cfg.vocab_size:
+        cfg = replace(cfg, tokenizer_vocab_size=pieces)
     info = {"imported_from": str(source.resolve()), "source": str(source.resolve())}
     return write_export(out, cfg, state, tok_path, info, dtype, "lmsys", overwrite, verify)

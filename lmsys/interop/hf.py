@@ -23,9 +23,10 @@ transpose of `nn.Linear`'s (out, in):
 Both fuse Q, K, V in that order with head h in columns [h*d, (h+1)*d) of each third, so the
 fused matrix maps over with a transpose only.
 
-Reading a transformers checkpoint directory (`read_hf_checkpoint`, lmsys-import): config.json
-and the weights as `model.safetensors` or `pytorch_model.bin`, either one file or shards listed
-by their `.index.json`; safetensors is preferred, and a .bin is read with
+Reading a transformers checkpoint directory (`read_hf_weights`; lmsys.interop.exports reads its
+config.json and dispatches on model_type, the Llama family to lmsys/interop/hf_llama.py): the
+weights as `model.safetensors` or `pytorch_model.bin`, either one file or shards listed by their
+`.index.json`; safetensors is preferred, and a .bin is read with
 `torch.load(weights_only=True)`, which rebuilds tensors and refuses anything else in the pickle.
 Older files name the tensors without `transformer.` and carry causal-mask buffers (dropped).
 """
@@ -124,13 +125,6 @@ def hf_config(
     """The GPT2Config (as config.json) of a GPT-2-shaped lmsys config."""
     require_gpt2(cfg)
     dims = model_dims(cfg)
-    ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
-    if tokenizer is not None:
-        ids = {
-            "bos_token_id": tokenizer.bos_id,
-            "eos_token_id": tokenizer.eos_id,
-            "pad_token_id": tokenizer.pad_id,
-        }
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -154,16 +148,23 @@ def hf_config(
         "tie_word_embeddings": True,
         "use_cache": True,
         "torch_dtype": str(dtype).removeprefix("torch."),  # the stored weights' dtype
-        **ids,
+        **special_ids(tokenizer),
     }
 
 
-def generation_config(tokenizer: Any) -> dict[str, Any]:
+def special_ids(tokenizer: Any | None) -> dict[str, int | None]:
+    """config.json's (and generation_config.json's) bos/eos/pad ids of the export's tokenizer."""
+    if tokenizer is None:
+        return {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
     return {
         "bos_token_id": tokenizer.bos_id,
         "eos_token_id": tokenizer.eos_id,
         "pad_token_id": tokenizer.pad_id,
     }
+
+
+def generation_config(tokenizer: Any) -> dict[str, Any]:
+    return special_ids(tokenizer)
 
 
 def to_hf(
@@ -245,16 +246,9 @@ def model_config_from_hf(config: dict[str, Any], lmsys_config_json: str | None =
         }
     except (KeyError, TypeError, ValueError) as exc:
         raise ExportError(f"config.json is not a GPT2Config ({type(exc).__name__}: {exc})") from exc
-    try:
-        derived = model_config_from_dict(data)
-    except ConfigError as exc:
-        raise ExportError(f"config.json describes an invalid model: {exc}") from exc
-    if not lmsys_config_json:
+    derived, recorded = derived_and_recorded(data, lmsys_config_json)
+    if recorded is None:
         return derived
-    try:
-        recorded = model_config_from_dict(json.loads(lmsys_config_json))
-    except (ValueError, ConfigError) as exc:
-        raise ExportError(f"the lmsys config recorded in model.safetensors is invalid: {exc}") from exc
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "tied_embeddings"):
         if getattr(recorded, key) != getattr(derived, key):
             raise ExportError(
@@ -266,6 +260,24 @@ def model_config_from_hf(config: dict[str, Any], lmsys_config_json: str | None =
             "config.json disagrees with the lmsys config recorded in model.safetensors: n_inner or eps"
         )
     return recorded
+
+
+def derived_and_recorded(
+    data: dict[str, Any], lmsys_config_json: str | None, label: str = "config.json"
+) -> tuple[ModelConfig, ModelConfig | None]:
+    """(the ModelConfig of `data`, the lmsys form of a config.json; the one an lmsys format=hf
+    export recorded in its safetensors header, None when there is none), each validated."""
+    try:
+        derived = model_config_from_dict(data)
+    except ConfigError as exc:
+        raise ExportError(f"{label} describes an invalid model: {exc}") from exc
+    if not lmsys_config_json:
+        return derived, None
+    try:
+        recorded = model_config_from_dict(json.loads(lmsys_config_json))
+    except (ValueError, ConfigError) as exc:
+        raise ExportError(f"the lmsys config recorded in model.safetensors is invalid: {exc}") from exc
+    return derived, recorded
 
 
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -357,27 +369,6 @@ def from_hf(
 
 
 # ----------------------------------------------------------------------------- a transformers directory
-
-
-def read_hf_checkpoint(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """The lmsys config and state dict (Transformer keys, tied embedding once) of a transformers
-    GPT-2 checkpoint directory (`GPT2LMHeadModel.save_pretrained`). When the weights record the
-    lmsys config (an lmsys format=hf export), that config is used."""
-    path = directory / "config.json"
-    if not path.is_file():
-        raise ExportError(f"{directory} has no config.json: it is not a transformers checkpoint directory")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ExportError(f"{path} is not valid JSON ({exc})") from exc
-    if not isinstance(config, dict) or config.get("model_type") != "gpt2":
-        kind = config.get("model_type") if isinstance(config, dict) else None
-        raise ExportError(
-            f"{path} has model_type {kind!r}; lmsys reads GPT-2 checkpoints (model_type 'gpt2')"
-        )
-    tensors, metadata, label = read_hf_weights(directory)
-    cfg = model_config_from_hf(config, metadata.get("lmsys_model_config"))
-    return cfg, from_hf(cfg, tensors, label=label)
 
 
 def read_hf_weights(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:

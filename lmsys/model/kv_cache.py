@@ -9,7 +9,8 @@ tokens among those keys. KVCache grows a view of its slots as tokens arrive (eag
 reads only the filled slots); StaticKVCache keeps every shape fixed and its next slot in a tensor,
 so that torch.compile compiles one decode step for every token (lmsys/model/compiling.py).
 
-Shapes: B batch, H heads, t new tokens; keys (B, H, slots, d_qk), values (B, H, slots, d_vo).
+Shapes: B batch, H key/value heads (model.attention.n_kv_heads under grouped-query attention), t new
+tokens; keys (B, H, slots, d_qk), values (B, H, slots, d_vo).
 """
 
 from __future__ import annotations
@@ -185,8 +186,10 @@ class StaticKVCache:
 def _empty_layers(
     cfg: ModelConfig, batch: int, slots: int, device: torch.device, dtype: torch.dtype
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Zeroed keys and values of every layer: n_layers x (B, H, slots, d_qk) and (B, H, slots, d_vo)."""
-    dims, h = model_dims(cfg), cfg.n_heads
+    """Zeroed keys and values of every layer: n_layers x (B, H, slots, d_qk) and (B, H, slots, d_vo),
+    H the key/value heads."""
+    dims = model_dims(cfg)
+    h = dims.n_kv_heads
 
     def zeros(width: int) -> list[torch.Tensor]:
         return [torch.zeros(batch, h, slots, width, device=device, dtype=dtype) for _ in range(cfg.n_layers)]

@@ -8,6 +8,11 @@ through them; the kernel modules are imported lazily so a CPU-only user never pa
 The loss from hidden states follows `model.loss_impl` (`linear_cross_entropy`): the fused Triton
 kernel, the chunked torch path, or torch's own F.linear_cross_entropy (chunked, "torch").
 
+The Llama family's pieces (SPEC section 11) have no Triton kernel of their own yet: RMS norm,
+rotary positions and the gated activation run their torch references under every setting, and
+grouped-query attention reaches the flash-attention kernel with each key/value head repeated for
+its group of query heads.
+
 Entry points call `prepare_kernels(kernels, device)` once, before anything imports triton: it
 selects the Triton CPU interpreter when "triton" is asked for without CUDA, so that a user never
 has to set TRITON_INTERPRET=1 by hand. How Triton runs in the process is kernels.runtime's.
@@ -22,7 +27,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels import runtime
-from kernels.reference import add_layer_norm_reference, chunked_linear_cross_entropy, layer_norm_reference
+from kernels.reference import (
+    add_layer_norm_reference,
+    chunked_linear_cross_entropy,
+    layer_norm_reference,
+    repeat_kv,
+    rms_norm_reference,
+    rotary_reference,
+)
 from lmsys.core.console import command, warn
 from lmsys.core.errors import ConfigError
 
@@ -109,8 +121,8 @@ def use_triton(x: torch.Tensor, kernels: str, kernel: str | None = None) -> bool
 
 def attention(
     q: torch.Tensor,  # (B, H, Tq, d_qk)
-    k: torch.Tensor,  # (B, H, Tk, d_qk)
-    v: torch.Tensor,  # (B, H, Tk, d_vo)
+    k: torch.Tensor,  # (B, Hkv, Tk, d_qk), Hkv dividing H
+    v: torch.Tensor,  # (B, Hkv, Tk, d_vo)
     *,
     causal: bool,
     scale: float,
@@ -123,7 +135,10 @@ def attention(
     are the last Tq positions, so the causal mask is aligned to the bottom-right corner, unless
     `query_slots` places them (a static cache: keys past them are not filled yet, and key_mask
     hides them). With a key_mask (a padded batch) the padding keys are hidden from every query
-    (padded_attention)."""
+    (padded_attention). With fewer key/value heads than query heads (grouped-query attention)
+    query head h reads key/value head h // (H / Hkv): torch's SDPA does so itself (enable_gqa),
+    the flash-attention kernel gets the key/value heads repeated (`repeat_kv`)."""
+    groups = q.shape[1] // k.shape[1]
     if key_mask is not None:
         if softmax == "matrix":
             raise ValueError(
@@ -133,26 +148,29 @@ def attention(
     if query_slots is not None:
         raise ValueError("attention with query_slots needs the key_mask of the filled slots")
     if softmax == "matrix":
-        return matrix_softmax_attention(q, k, v, causal=causal, scale=scale)
+        return matrix_softmax_attention(
+            q, repeat_kv(k, groups), repeat_kv(v, groups), causal=causal, scale=scale
+        )
     same_length = q.shape[2] == k.shape[2]
     if same_length and use_triton(q, kernels, "attention"):
         from kernels.flash_attention import flash_attention  # the custom op (torch.compile traces it)
 
-        return flash_attention(q, k, v, causal, scale)
+        return flash_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), causal, scale)
+    gqa = groups > 1
     if causal and q.shape[2] == 1:  # one query after its cache sees every key: no mask, fast path
-        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
     if causal and not same_length:
         t_q, t_k = q.shape[2], k.shape[2]
         query_pos = torch.arange(t_k - t_q, t_k, device=q.device)[:, None]  # (Tq, 1)
         visible = torch.arange(t_k, device=q.device)[None, :] <= query_pos  # (Tq, Tk)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
 
 
 def padded_attention(
     q: torch.Tensor,  # (B, H, Tq, d_qk): the last Tq of the Tk key slots
-    k: torch.Tensor,  # (B, H, Tk, d_qk)
-    v: torch.Tensor,  # (B, H, Tk, d_vo)
+    k: torch.Tensor,  # (B, Hkv, Tk, d_qk)
+    v: torch.Tensor,  # (B, Hkv, Tk, d_vo)
     key_mask: torch.Tensor,  # (B, Tk) bool: False at padding slots
     *,
     causal: bool,
@@ -174,7 +192,8 @@ def padded_attention(
     if causal:
         visible = visible & (key_slot <= query_slot)  # (B, 1, Tq, Tk)
     visible = visible | (key_slot == query_slot)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa)
 
 
 def matrix_softmax_attention(
@@ -204,9 +223,12 @@ def layer_norm(
     kernels: str = "auto",
 ) -> torch.Tensor:
     """Row-wise normalisation with population statistics (SPEC section 5) and the optional affine:
-    the Triton kernel, or its torch definition (kernels/reference.py); "none" is the identity."""
+    the Triton kernel, or its torch definition (kernels/reference.py); "none" is the identity,
+    "rms" is `rms_norm` (a gain, no bias)."""
     if formula == "none":
         return x
+    if formula == "rms":
+        return rms_norm(x, weight, eps=eps, kernels=kernels)
     if use_triton(x, kernels, "layer_norm"):
         from kernels.layer_norm import layer_norm as triton_layer_norm  # the custom op: module docstring
 
@@ -225,14 +247,65 @@ def add_layer_norm(
     kernels: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(LN(x + residual), x + residual): one fused pass on GPU, two ops in torch."""
-    if formula == "none":
+    if formula in ("none", "rms"):
         summed = x + residual
-        return summed, summed
+        return (summed if formula == "none" else rms_norm(summed, weight, eps=eps, kernels=kernels)), summed
     if use_triton(x, kernels, "add_layer_norm"):
         from kernels.layer_norm import add_layer_norm as fused  # the custom op: module docstring
 
         return fused(x, residual, weight, bias, eps, formula)
     return add_layer_norm_reference(x, residual, weight, bias, eps, formula)
+
+
+def rms_norm(
+    x: torch.Tensor,  # (..., N)
+    weight: torch.Tensor | None,  # (N,)
+    *,
+    eps: float,
+    kernels: str = "auto",
+) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * g, statistics in fp32 (SPEC section 11): the torch reference under
+    every `kernels` setting until a Triton kernel exists."""
+    return rms_norm_reference(x, weight, eps)
+
+
+# ----------------------------------------------------------------------------- the Llama family
+
+
+def rotary(
+    q: torch.Tensor,  # (B, H, T, d)
+    k: torch.Tensor,  # (B, Hkv, T, d)
+    cos: torch.Tensor,  # (T, d) or (B, T, d)
+    sin: torch.Tensor,  # (T, d) or (B, T, d)
+    *,
+    kernels: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries and keys rotated by their positions (SPEC section 11, the half-split layout): the
+    torch reference under every `kernels` setting until a Triton kernel exists."""
+    return rotary_reference(q, cos, sin), rotary_reference(k, cos, sin)
+
+
+ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "leaky_relu": F.leaky_relu,
+}
+
+
+def gated(
+    gate: torch.Tensor,  # (..., d_ff) W_gate x
+    up: torch.Tensor,  # (..., d_ff) W_up x
+    *,
+    activation: str,
+    kernels: str = "auto",
+) -> torch.Tensor:  # (..., d_ff)
+    """phi(gate) * up, the gated feed-forward's hidden layer (SwiGLU with silu, GeGLU with gelu):
+    torch under every `kernels` setting until a fused kernel exists."""
+    return ACTIVATIONS[activation](gate) * up
 
 
 # ----------------------------------------------------------------------------- the loss

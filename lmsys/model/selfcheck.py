@@ -11,7 +11,7 @@ fails to launch falls back to its torch reference for the rest of the process (l
 .fall_back) with one warning naming it, the error and the tolerance; under model.kernels=triton it
 is an error. On CPU, model.kernels=triton runs the same check under the interpreter.
 
-`break_kernel` (trainer.debug_break_kernel) perturbs one kernel's output inside the check, so
+`break_kernel` (debug.break_kernel) perturbs one kernel's output inside the check, so
 tests can see the fallback and the error without a broken GPU.
 """
 
@@ -77,7 +77,7 @@ def kernels_used(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> 
     if not ops.use_triton(probe, cfg.kernels):
         used: list[str] = []
     else:
-        norms = cfg.norm.formula != "none"
+        norms = cfg.norm.formula not in ("none", "rms")  # rms: no Triton kernel yet (lmsys.model.ops)
         used = [
             name
             for name, on in (
@@ -126,7 +126,7 @@ def _run_case(
     want = reference(*theirs)
     outs = list(out) if isinstance(out, tuple) else [out]
     wants = list(want) if isinstance(want, tuple) else [want]
-    if perturb:  # trainer.debug_break_kernel: a kernel that computes something else
+    if perturb:  # debug.break_kernel: a kernel that computes something else
         outs[0] = outs[0] + 1.0
     for i, (o, w) in enumerate(zip(outs, wants)):
         what = f"forward output {i}" if len(outs) > 1 else "forward output"

@@ -1,8 +1,9 @@
 """The transformer family of docs/SPEC.md: one configurable, single-device model.
 
-Read top to bottom: positions, attention, feed-forward, normalisation, blocks, the unembedding,
-the stack, the loss. Every option is a field of `ModelConfig`; the presets in conf/model/ pick the values that
-reproduce each seed document. The model never touches torch.distributed and never knows whether
+Read top to bottom: positions (additive tables and rotary), attention, feed-forward,
+normalisation, blocks, the unembedding, the stack, the loss. Every option is a field of
+`ModelConfig`; the presets in conf/model/ pick the values that reproduce each seed document (and
+the Llama family's published shapes). The model never touches torch.distributed and never knows whether
 it is sharded: lmsys/engine/zero.py wraps it from outside.
 
 Shapes: B batch, T positions, D d_model, H heads, V vocabulary.
@@ -19,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lmsys.core.config import ModelConfig, context_prefix, model_dims, validate_model
 from lmsys.model import ops
-from lmsys.model.kv_cache import KVCache, StaticKVCache, uncached_span
+from lmsys.model.kv_cache import CacheSpan, KVCache, StaticKVCache, uncached_span
 
 # ----------------------------------------------------------------------------- positions
 
@@ -51,14 +52,57 @@ def fourier_t_table(n_positions: int, d_model: int, base: int) -> torch.Tensor:
     return table.float()
 
 
+def rope_inverse_frequencies(cfg: ModelConfig, device: torch.device | None = None) -> torch.Tensor:
+    """The rotary frequencies f_i = theta^(-2i/d), i = 0..d/2-1, d = d_qk, in fp32 (SPEC section
+    11), computed as transformers computes them (so an imported model's angles are its own).
+
+    llama3 scaling (Llama 3.1/3.2) keeps the fast frequencies, whose wavelength 2 pi / f_i is
+    below original_max_seq_len / high_freq_factor, divides the slow ones, whose wavelength is
+    above original_max_seq_len / low_freq_factor, by `factor`, and in between interpolates:
+    (1 - s) f / factor + s f with s = (original_max_seq_len / wavelength - low) / (high - low)."""
+    d = model_dims(cfg).d_qk
+    inv_freq = 1.0 / (
+        cfg.positions.rope_theta ** (torch.arange(0, d, 2, device=device).float() / d)
+    )  # (d/2,)
+    scaling = cfg.positions.rope_scaling
+    if scaling.kind == "none":
+        return inv_freq
+    old_context = scaling.original_max_seq_len
+    wavelength = 2 * math.pi / inv_freq  # (d/2,)
+    low_freq_wavelength = old_context / scaling.low_freq_factor
+    high_freq_wavelength = old_context / scaling.high_freq_factor
+    scaled = torch.where(wavelength > low_freq_wavelength, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_context / wavelength - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelength >= high_freq_wavelength) & (wavelength <= low_freq_wavelength)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary_tables(
+    cfg: ModelConfig,
+    positions: torch.Tensor,  # (T,) or (B, T) token positions
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: (T, d) or (B, T, d), d = d_qk
+    """cos and sin of the angles p * f_i, each repeated for both dimensions of pair i (i and
+    i + d/2: the half-split layout), in fp32, then rounded to the model's dtype."""
+    inv_freq = rope_inverse_frequencies(cfg, positions.device)  # (d/2,)
+    angles = positions[..., None].float() * inv_freq  # (..., d/2)
+    both = torch.cat((angles, angles), dim=-1)  # (..., d)
+    return both.cos().to(dtype), both.sin().to(dtype)
+
+
 class Positions(nn.Module):
-    """Additive position information P[start:start+T] (SPEC section 2), or nothing."""
+    """Position information (SPEC sections 2 and 11): the additive P[start:start+T], or the
+    rotary tables (`rotation`) with nothing added, or nothing at all."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.cfg = cfg
         self.kind = cfg.positions.kind
         self.max_len = cfg.max_seq_len
-        if self.kind == "none":
+        if self.kind in ("none", "rotary"):
             self.table = None
             return
         if self.kind == "learned":
@@ -76,13 +120,15 @@ class Positions(nn.Module):
             self.register_buffer("table", table, persistent=True)
 
     def forward(self, start: int, length: int) -> torch.Tensor | None:  # (T, D) or None
-        if self.table is None:
+        """P[start : start + length] to add to the embeddings; None without a table (rotary and
+        none), after checking that a rotary model's window holds the positions."""
+        if self.kind == "none":
             return None
         if start + length > self.max_len:
             raise ValueError(
                 f"sequence of {start + length} positions exceeds model.max_seq_len={self.max_len}"
             )
-        return self.table[start : start + length]
+        return None if self.table is None else self.table[start : start + length]
 
     def per_row(
         self, positions: torch.Tensor, checked: bool = True
@@ -90,15 +136,33 @@ class Positions(nn.Module):
         """P[positions[b, t]]: every row numbered on its own (a left-padded batch). checked=False
         (a compiled decode step, which must not read values back to the host) clamps to the
         table's last row instead of checking (StaticKVCache's docstring says when that happens)."""
-        if self.table is None:
+        if self.kind == "none":
             return None
         if not checked:
-            return self.table[positions.clamp_max(self.max_len - 1)]
+            return None if self.table is None else self.table[positions.clamp_max(self.max_len - 1)]
         if int(positions.max()) >= self.max_len:
             raise ValueError(
                 f"sequence of {int(positions.max()) + 1} positions exceeds model.max_seq_len={self.max_len}"
             )
-        return self.table[positions]
+        return None if self.table is None else self.table[positions]
+
+    def rotation(
+        self,
+        span: CacheSpan,
+        length: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # cos, sin: (T, d) or (B, T, d); None unless rotary
+        """The rotary tables of the next `length` tokens of `span` (their positions: start + i, or
+        each row's own). The window was checked by forward / per_row; a static cache's clamped
+        positions need no clamping here (any position has angles)."""
+        if self.kind != "rotary":
+            return None
+        if span.row_positions is None:
+            positions = torch.arange(span.start, span.start + length, device=device)  # (T,)
+        else:
+            positions = span.row_positions  # (B, T)
+        return rotary_tables(self.cfg, positions, dtype)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -110,37 +174,52 @@ class Attention(nn.Module):
     The per-head projections are stored fused (one GEMM for Q, K and V): rows
     [0, H*d_qk) of `w_qkv` are the queries, then the keys, then the values; head h uses the
     h-th block of each. Summing head_h Wo_h over heads equals concat(heads) Wo.
+
+    Grouped-query attention (SPEC section 11): Hkv = n_kv_heads key/value heads, query head h
+    reading key/value head h // (H / Hkv); the keys' and values' rows of `w_qkv` are Hkv blocks.
+    QK-norm RMS-normalises each query and key head (one gain of width d_qk each) before the
+    rotary positions turn them.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         dims = model_dims(cfg)
-        self.n_heads, self.d_qk, self.d_vo = cfg.n_heads, dims.d_qk, dims.d_vo
+        self.n_heads, self.n_kv_heads, self.d_qk, self.d_vo = (
+            cfg.n_heads,
+            dims.n_kv_heads,
+            dims.d_qk,
+            dims.d_vo,
+        )
         self.scale = dims.attention_scale
         self.causal = cfg.attention.causal
         self.softmax = cfg.attention.softmax
         self.kernels = cfg.kernels
-        h = cfg.n_heads
-        self.w_qkv = nn.Linear(cfg.d_model, h * (2 * dims.d_qk + dims.d_vo), bias=False)
+        h, h_kv = cfg.n_heads, dims.n_kv_heads
+        self.w_qkv = nn.Linear(cfg.d_model, h * dims.d_qk + h_kv * (dims.d_qk + dims.d_vo), bias=False)
         self.q_bias = nn.Parameter(torch.zeros(h * dims.d_qk)) if cfg.attention.q_bias else None
-        self.k_bias = nn.Parameter(torch.zeros(h * dims.d_qk)) if cfg.attention.k_bias else None
-        self.v_bias = nn.Parameter(torch.zeros(h * dims.d_vo)) if cfg.attention.v_bias else None
+        self.k_bias = nn.Parameter(torch.zeros(h_kv * dims.d_qk)) if cfg.attention.k_bias else None
+        self.v_bias = nn.Parameter(torch.zeros(h_kv * dims.d_vo)) if cfg.attention.v_bias else None
+        qk_norm = cfg.attention.qk_norm
+        self.q_norm = Norm(cfg, width=dims.d_qk, formula="rms") if qk_norm else None
+        self.k_norm = Norm(cfg, width=dims.d_qk, formula="rms") if qk_norm else None
         self.w_o = nn.Linear(h * dims.d_vo, cfg.d_model, bias=cfg.attention.o_bias)
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, t, _ = x.shape
-        h, d_qk, d_vo = self.n_heads, self.d_qk, self.d_vo
-        q, k, v = self.w_qkv(x).split([h * d_qk, h * d_qk, h * d_vo], dim=-1)  # (B, T, H*d)
+        h, h_kv, d_qk, d_vo = self.n_heads, self.n_kv_heads, self.d_qk, self.d_vo
+        q, k, v = self.w_qkv(x).split([h * d_qk, h_kv * d_qk, h_kv * d_vo], dim=-1)  # (B, T, heads*d)
         if self.q_bias is not None:
             q = q + self.q_bias
         if self.k_bias is not None:
             k = k + self.k_bias
         if self.v_bias is not None:
             v = v + self.v_bias
-        q = q.view(b, t, h, d_qk).transpose(1, 2)  # (B, H, T, d_qk)
-        k = k.view(b, t, h, d_qk).transpose(1, 2)  # (B, H, T, d_qk)
-        v = v.view(b, t, h, d_vo).transpose(1, 2)  # (B, H, T, d_vo)
-        return q, k, v
+        q = q.view(b, t, h, d_qk)  # (B, T, H, d_qk)
+        k = k.view(b, t, h_kv, d_qk)  # (B, T, Hkv, d_qk)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        v = v.view(b, t, h_kv, d_vo)  # (B, T, Hkv, d_vo)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, d)
 
     def forward(
         self,
@@ -148,12 +227,15 @@ class Attention(nn.Module):
         cache: KVCache | StaticKVCache | None = None,
         layer: int = 0,
         key_mask: torch.Tensor | None = None,  # (B, Tk) bool, False at padding (Transformer.forward)
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin (Positions.rotation)
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = self.project_qkv(x)
+        q, k, v = self.project_qkv(x)  # (B, H, T, d_qk), (B, Hkv, T, d_qk), (B, Hkv, T, d_vo)
+        if rope is not None:
+            q, k = ops.rotary(q, k, *rope, kernels=self.kernels)
         query_slots = None
         if cache is not None:
-            k, v = cache.store(layer, k, v)  # (B, H, Tk, d): every key the new tokens may attend to
+            k, v = cache.store(layer, k, v)  # (B, Hkv, Tk, d): every key the new tokens may attend to
             query_slots = cache.query_slots
         heads = ops.attention(
             q,
@@ -172,27 +254,22 @@ class Attention(nn.Module):
 
 # ----------------------------------------------------------------------------- feed-forward
 
-ACTIVATIONS = {
-    "relu": F.relu,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "silu": F.silu,
-    "tanh": torch.tanh,
-    "sigmoid": torch.sigmoid,
-    "leaky_relu": F.leaky_relu,
-}
+ACTIVATIONS = ops.ACTIVATIONS
 
 
 class FeedForward(nn.Module):
     """ffn(x) = W_out phi(... phi(W_1 x + b_1) ...) + b_out: activations on hidden layers only
     (seed 000's definition 2.1). With bias_after_activation (seed 002) each hidden bias is added
-    after the activation instead: W_out (phi(W_1 x) + b_1) + b_out."""
+    after the activation instead: W_out (phi(W_1 x) + b_1) + b_out. Gated (SPEC section 11):
+    W_out (phi(W_gate x + b_gate) * (W_1 x + b_1)) + b_out, with W_1 the "up" projection."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d_ff = model_dims(cfg).d_ff
         fcfg = cfg.ffn
+        self.activation, self.kernels = fcfg.activation, cfg.kernels
         self.act = ACTIVATIONS[fcfg.activation]
+        self.gate = nn.Linear(cfg.d_model, d_ff, bias=fcfg.bias) if fcfg.gated else None
         self.bias_after_activation = fcfg.bias_after_activation and fcfg.bias
         widths = [cfg.d_model] + [d_ff] * fcfg.n_hidden_layers
         self.hidden = nn.ModuleList(
@@ -207,6 +284,11 @@ class FeedForward(nn.Module):
         self.out = nn.Linear(d_ff, cfg.d_model, bias=fcfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, D) -> (B, T, D)
+        if self.gate is not None:  # one hidden layer (validate_model)
+            hidden = ops.gated(
+                self.gate(x), self.hidden[0](x), activation=self.activation, kernels=self.kernels
+            )
+            return self.out(hidden)  # (B, T, D)
         for i, layer in enumerate(self.hidden):
             x = self.act(layer(x))  # (B, T, d_ff)
             if self.hidden_bias_after is not None:
@@ -218,14 +300,17 @@ class FeedForward(nn.Module):
 
 
 class Norm(nn.Module):
-    """Row-wise normalisation over D with one of SPEC section 5's formulas, optional affine."""
+    """Row-wise normalisation over D with one of SPEC section 5's formulas, optional affine; the
+    "rms" formula (section 11) has a gain and no bias. `width` and `formula` other than the
+    model's: QK-norm, RMS over each head's d_qk dimensions."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, width: int | None = None, formula: str | None = None) -> None:
         super().__init__()
-        self.formula, self.eps, self.kernels = cfg.norm.formula, cfg.norm.eps, cfg.kernels
+        self.formula, self.eps, self.kernels = formula or cfg.norm.formula, cfg.norm.eps, cfg.kernels
+        width = width or cfg.d_model
         affine = cfg.norm.affine and self.formula != "none"
-        self.weight = nn.Parameter(torch.ones(cfg.d_model)) if affine else None
-        self.bias = nn.Parameter(torch.zeros(cfg.d_model)) if affine else None
+        self.weight = nn.Parameter(torch.ones(width)) if affine else None
+        self.bias = nn.Parameter(torch.zeros(width)) if affine and self.formula != "rms" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.layer_norm(
@@ -264,24 +349,25 @@ class Block(nn.Module):
         cache: KVCache | StaticKVCache | None = None,
         layer: int = 0,
         key_mask: torch.Tensor | None = None,  # (B, Tk) bool, False at padding
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # rotary cos, sin (Positions.rotation)
     ) -> torch.Tensor:
         if self.arrangement == "none":
-            y = x + self.attn(x, cache, layer, key_mask)
+            y = x + self.attn(x, cache, layer, key_mask, rope)
             return y + self.ffn(y)
         if self.arrangement == "pre":
             assert self.norm1 is not None and self.norm2 is not None
             normed, y = self.norm2.add_norm(
-                self.attn(self.norm1(x), cache, layer, key_mask), x
+                self.attn(self.norm1(x), cache, layer, key_mask, rope), x
             )  # y = X + attn
             return y + self.ffn(normed)
         if self.arrangement == "post":
             assert self.norm1 is not None and self.norm2 is not None
-            y, _ = self.norm1.add_norm(self.attn(x, cache, layer, key_mask), x)
+            y, _ = self.norm1.add_norm(self.attn(x, cache, layer, key_mask, rope), x)
             out, _ = self.norm2.add_norm(self.ffn(y), y)
             return out
         assert self.norm1 is not None  # parallel
         normed = self.norm1(x)
-        return x + self.attn(normed, cache, layer, key_mask) + self.ffn(normed)
+        return x + self.attn(normed, cache, layer, key_mask, rope) + self.ffn(normed)
 
 
 # ----------------------------------------------------------------------------- unembedding
@@ -410,8 +496,9 @@ class Transformer(nn.Module):
             pos = self.positions.per_row(span.row_positions, checked=not span.clamped)  # (B, T, D)
         if pos is not None:
             x = x + pos.to(x.dtype)
+        rope = self.positions.rotation(span, t, x.dtype, x.device)  # (cos, sin) of rotary models
         for layer, block in enumerate(self.blocks):
-            x = block(x, cache, layer, span.key_mask)
+            x = block(x, cache, layer, span.key_mask, rope)
         if self.final_norm is not None:
             x = self.final_norm(x)
         if cache is not None:

@@ -35,10 +35,12 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import open_dict, read_write
 
-from lmsys.core.config import CONF_DIR, compose, hydra_error_line
+from lmsys.core.config import CONF_DIR, ROOT_CONFIG, compose, config_to_dict, flatten_dict, hydra_error_line
 from lmsys.core.errors import ConfigError, DataError
+from lmsys.sweep.stats import check_baseline
 
 SWEEP_FILE = "sweep.json"
+BASELINE_KEY = "hydra.callbacks.sweep_summary.baseline"  # `lmsys-train -m`'s --baseline
 MULTIRUN_FILE = "multirun.yaml"  # what Hydra writes into a multirun's sweep directory
 JOBS_FILE = "jobs.jsonl"  # `lmsys-train -m`: each job's outcome, a line per job as it ends
 
@@ -90,13 +92,18 @@ def _job_label(job: Sequence[str], jobs: Sequence[Sequence[str]]) -> str:
     return " ".join(differing or job)
 
 
-def check_jobs(jobs: Sequence[Sequence[str]], world_size: int | None = None, remote: bool = False) -> None:
+def check_jobs(
+    jobs: Sequence[Sequence[str]],
+    world_size: int | None = None,
+    remote: bool = False,
+    baseline: str | None = None,
+) -> None:
     """Everything about each job of a sweep that can be checked before the first one starts, so a
     mistake is one ConfigError naming the first bad job instead of N failed jobs: its config
-    composes (keys, values), then the trainer's preflight (lmsys.training.preflight: with
-    `world_size`, the batch arithmetic for that many ranks; the prepared data against the model
-    and data.seq_len). `remote`: the jobs run on other machines (SLURM), so a data directory
-    missing here is left for the job to find."""
+    composes (keys, values), the summary's `baseline` (KEY=VALUE) is one of the jobs', then the
+    trainer's preflight (lmsys.training.preflight: with `world_size`, the batch arithmetic for that
+    many ranks; the prepared data against the model and data.seq_len). `remote`: the jobs run on
+    other machines (SLURM), so a data directory missing here is left for the job to find."""
 
     def bad(number: int, exc: Exception) -> ConfigError:
         return ConfigError(f"sweep job {number} ({_job_label(jobs[number], jobs)}): {exc}")
@@ -107,6 +114,11 @@ def check_jobs(jobs: Sequence[Sequence[str]], world_size: int | None = None, rem
             configs.append(compose([o for o in job if not is_hydra_override(o)]))
         except ConfigError as exc:
             raise bad(number, exc) from exc
+    if baseline:
+        try:
+            check_baseline(baseline, [flatten_dict(config_to_dict(cfg)) for cfg in configs])
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
     # Imported only now, once every config composed: it imports torch (seconds), and a
     # misspelled key should be reported at once.
     from lmsys.training.preflight import preflight
@@ -174,7 +186,10 @@ def check_multirun(argv: Sequence[str]) -> None:
             overrides.append(arg)
     launchers = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("hydra/launcher=")]
     remote = any(name != "basic" for name in launchers)  # e.g. slurm: the jobs run elsewhere
-    check_jobs(expand_sweep(overrides), multirun_world_size(overrides), remote=remote)
+    baselines = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith(f"{BASELINE_KEY}=")]
+    baseline = baselines[-1].strip("\"'") if baselines else None
+    jobs = expand_sweep([o for o in overrides if not o.lstrip("+").startswith(f"{BASELINE_KEY}=")])
+    check_jobs(jobs, multirun_world_size(overrides), remote=remote, baseline=baseline)
 
 
 # ----------------------------------------------------------------------------- Hydra multirun glue
@@ -247,7 +262,7 @@ SWEEP_DIR_KEY = "lmsys/sweep_dir"  # in torchrun's store: the sweep directory th
 
 def default_sweep_dir() -> str:
     """conf/config.yaml's hydra.sweep.dir with its `${now:FORMAT}` resolved to this moment."""
-    pattern = str(yaml.safe_load((CONF_DIR / "config.yaml").read_text())["hydra"]["sweep"]["dir"])
+    pattern = str(yaml.safe_load(ROOT_CONFIG.read_text())["hydra"]["sweep"]["dir"])
     now = datetime.now()
     return re.sub(r"\$\{now:([^}]*)\}", lambda m: now.strftime(m.group(1)), pattern)
 

@@ -173,6 +173,18 @@ def _matches(value: Any, wanted: str) -> bool:
         return False
 
 
+def check_baseline(spec: str, configs: Sequence[dict[str, Any]]) -> None:
+    """Before any job runs: ValueError unless `spec` (KEY=VALUE) is a baseline some job's
+    flattened config has, naming the values the jobs have instead."""
+    key, wanted = baseline_matcher(spec)
+    values = [config[key] for config in configs if key in config]
+    if not values:
+        raise ValueError(f"--baseline {spec}: no config key {key}")
+    if not any(_matches(value, wanted) for value in values):
+        have = ", ".join(dict.fromkeys(_short(v) for v in values))
+        raise ValueError(f"no sweep job has {key}={wanted} (the baseline {spec}); the jobs have {key}={have}")
+
+
 def paired_against(
     groups: Sequence[Group], spec: str, metric: Callable[[Any], float | None]
 ) -> dict[int, Paired]:

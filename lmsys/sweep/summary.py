@@ -41,7 +41,15 @@ from hydra.experimental.callback import Callback
 from lmsys.core.config import compose, config_to_dict, flatten_dict
 from lmsys.core.console import warn
 from lmsys.core.errors import ConfigError
-from lmsys.engine.rundir import CONFIG_FILE, METRICS_FILE, read_config, read_jsonl, read_metrics
+from lmsys.core.rundir import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    EvalRecord,
+    TrainRecord,
+    read_all_records,
+    read_config,
+    read_jsonl,
+)
 from lmsys.sweep.multirun import (
     JOBS_FILE,
     MULTIRUN_FILE,
@@ -126,21 +134,22 @@ def _load_job(job: Job) -> Job:
             )
         except ConfigError:
             job.config = {}
-    by_step: dict[str, dict[int, float]] = {"train": {}, "eval": {}}
+    train: dict[int, float] = {}
+    val: dict[int, float] = {}
     speeds, seconds = [], 0.0
-    for record in read_metrics(job.run_dir):
-        kind, step, loss = record.get("kind"), record.get("step"), record.get("loss")
-        if kind not in by_step or not isinstance(step, int):
+    for record in read_all_records(job.run_dir):
+        if not isinstance(record, (TrainRecord, EvalRecord)):
             continue
-        if isinstance(loss, (int, float)) and math.isfinite(loss):
-            by_step[kind][step] = float(loss)  # a resumed run rewrote its later steps: last one wins
-        if kind == "train":
-            if isinstance(record.get("tokens_per_s"), (int, float)) and step > 1:
-                speeds.append(float(record["tokens_per_s"]))
-            if isinstance(record.get("step_time_s"), (int, float)):
-                seconds += float(record["step_time_s"])
-    job.train = sorted(by_step["train"].items())
-    job.val = sorted(by_step["eval"].items())
+        if isinstance(record.loss, (int, float)) and math.isfinite(record.loss):
+            losses = train if isinstance(record, TrainRecord) else val
+            losses[record.step] = float(record.loss)  # a resumed run rewrote its later steps: last one wins
+        if isinstance(record, TrainRecord):
+            if isinstance(record.tokens_per_s, (int, float)) and record.step > 1:
+                speeds.append(float(record.tokens_per_s))
+            if isinstance(record.step_time_s, (int, float)):
+                seconds += float(record.step_time_s)
+    job.train = sorted(train.items())
+    job.val = sorted(val.items())
     job.tokens_per_s = sum(speeds) / len(speeds) if speeds else None
     job.train_seconds = seconds or None
     return job

@@ -1,5 +1,7 @@
-"""The devices a launch can be planned for (lmsys-plan device=NAME): memory, peak FLOP/s and
-bandwidths, each with its source, and this machine's CPU (its memory, its measured FLOP rate).
+"""The devices lmsys knows: each GPU's dense bf16 peak FLOP/s by its name (a run's MFU is measured
+against it), the devices a launch can be planned for (lmsys-plan device=NAME) with their memory,
+peak FLOP/s and bandwidths, each with its source, and this machine's CPU (its memory, its
+measured FLOP rate).
 
 The GPU figures are the vendors' datasheet numbers (dense, i.e. without structured sparsity);
 memory is the datasheet capacity, read as GiB (what nvidia-smi lists as the card's total is a
@@ -18,6 +20,53 @@ import torch
 from lmsys.core.errors import ConfigError
 
 GIB = 1 << 30
+
+# Dense bf16 tensor-core peak FLOP/s by a fragment of the device's name, most specific first: what a
+# run's MFU is measured against (docs/DESIGN.md), and the planned devices' (GPUS) peak.
+PEAK_BF16_FLOPS: list[tuple[str, float]] = [
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("A6000", 155e12),
+    ("A10G", 125e12),
+    ("A10", 125e12),
+    ("L4", 121e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+    ("V100", 125e12),  # fp16 tensor cores (no bf16)
+    ("T4", 65e12),  # fp16 tensor cores (no bf16)
+]
+
+
+def bf16_peak(name: str) -> float | None:
+    """The dense bf16 peak in FLOP/s of the GPU called `name` (torch.cuda.get_device_name's), or None."""
+    return next((peak for fragment, peak in PEAK_BF16_FLOPS if fragment in name), None)
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak of one device in FLOP/s, or None (CPU, unknown GPU): MFU is then null."""
+    return bf16_peak(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads/process)"
+
+
+def mfu(
+    flops_per_token: float, tokens_per_s: float, peak_per_device: float | None, world_size: int
+) -> float | None:
+    """Model FLOPs utilisation: achieved training FLOP/s over the peak of all devices."""
+    if peak_per_device is None or tokens_per_s <= 0:
+        return None
+    return flops_per_token * tokens_per_s / (peak_per_device * world_size)
 
 
 @dataclass(frozen=True)
@@ -58,26 +107,26 @@ GPUS: dict[str, Device] = {
     d.name: d
     for d in (
         Device(
-            "a100-40gb", "NVIDIA A100 SXM 40GB", "cuda", 40 * GIB, 312e12, 19.5e12, 1555e9, 600e9,
+            "a100-40gb", "NVIDIA A100 SXM 40GB", "cuda", 40 * GIB, bf16_peak("A100"), 19.5e12, 1555e9, 600e9,
             "NVIDIA A100 Tensor Core GPU datasheet: BF16 312 TFLOPS (dense), FP32 19.5 TFLOPS, "
             "HBM2 1,555 GB/s, NVLink 600 GB/s, PCIe Gen4 64 GB/s (both directions); host: " + _DGX_A100_HOST,
             pcie_bytes_per_s=32e9, host_bytes_per_s=2 * 204.8e9,
         ),
         Device(
-            "a100-80gb", "NVIDIA A100 SXM 80GB", "cuda", 80 * GIB, 312e12, 19.5e12, 2039e9, 600e9,
+            "a100-80gb", "NVIDIA A100 SXM 80GB", "cuda", 80 * GIB, bf16_peak("A100"), 19.5e12, 2039e9, 600e9,
             "NVIDIA A100 Tensor Core GPU datasheet: BF16 312 TFLOPS (dense), FP32 19.5 TFLOPS, "
             "HBM2e 2,039 GB/s, NVLink 600 GB/s, PCIe Gen4 64 GB/s (both directions); host: " + _DGX_A100_HOST,
             pcie_bytes_per_s=32e9, host_bytes_per_s=2 * 204.8e9,
         ),
         Device(
-            "h100", "NVIDIA H100 SXM 80GB", "cuda", 80 * GIB, 989e12, 67e12, 3.35e12, 900e9,
+            "h100", "NVIDIA H100 SXM 80GB", "cuda", 80 * GIB, bf16_peak("H100"), 67e12, 3.35e12, 900e9,
             "NVIDIA H100 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity = 989 dense, "
             "FP32 67 TFLOPS, HBM3 3.35 TB/s, NVLink 900 GB/s, PCIe Gen5 128 GB/s (both directions); "
             "host: " + _DGX_H100_HOST,
             pcie_bytes_per_s=64e9, host_bytes_per_s=2 * 307.2e9,
         ),
         Device(
-            "h200", "NVIDIA H200 SXM 141GB", "cuda", 141 * GIB, 989e12, 67e12, 4.8e12, 900e9,
+            "h200", "NVIDIA H200 SXM 141GB", "cuda", 141 * GIB, bf16_peak("H200"), 67e12, 4.8e12, 900e9,
             "NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity = 989 dense, "
             "FP32 67 TFLOPS, HBM3e 4.8 TB/s, NVLink 900 GB/s, PCIe Gen5 128 GB/s (both directions); "
             "host: " + _DGX_H100_HOST,

@@ -30,7 +30,6 @@ overlap), with constants fitted by the bench.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -39,17 +38,10 @@ import torch
 
 from lmsys.core.config import Config
 from lmsys.core.errors import ConfigError
-from lmsys.core.runtime import BatchPlan, batch_plan
+from lmsys.core.runtime import BatchSplit, split_batch
 from lmsys.engine.memory import StepMemory, step_memory
 from lmsys.model.shapes import model_shapes
-from lmsys.training.devices import GIB, GPUS, Device, cpu_device, cpu_flops
-from lmsys.training.metrics import (
-    TensorPeak,
-    cuda_peak_bytes,
-    device_peak_flops,
-    diagnoses_run,
-    peak_rss_bytes,
-)
+from lmsys.training.devices import GIB, GPUS, Device, cpu_device, cpu_flops, device_peak_flops
 
 MIB = 1 << 20
 # The MFU a GPU run of a GPT-2-sized dense model reaches with flash attention and fused kernels:
@@ -122,7 +114,7 @@ class Suggestion:
 class Plan:
     device: Device
     world_size: int
-    batch: BatchPlan
+    batch: BatchSplit
     precision: str
     loss_impl: str
     n_params: int
@@ -199,7 +191,7 @@ def precision_of(cfg: Config, device: Device) -> str:
 
 
 def memory_components(
-    cfg: Config, world: int, device: Device, batch: BatchPlan
+    cfg: Config, world: int, device: Device, batch: BatchSplit
 ) -> tuple[StepMemory, dict[str, int]]:
     """(the step's tensors at their peak moment, the components with the runtime and the allocator
     margin), bytes per rank."""
@@ -223,7 +215,7 @@ def memory_components(
     return step, components
 
 
-def cpu_overhead_s(cfg: Config, world: int, device: Device, batch: BatchPlan) -> float:
+def cpu_overhead_s(cfg: Config, world: int, device: Device, batch: BatchSplit) -> float:
     """Seconds a CPU optimizer step spends beside its FLOPs, per rank: a CPU runs the collectives
     and DeepSpeed's Python between its matmuls, not beside them. The constants (CPU_*_S) are
     per unit of the work each counts."""
@@ -244,7 +236,7 @@ def cpu_overhead_s(cfg: Config, world: int, device: Device, batch: BatchPlan) ->
 
 
 def step_time(
-    cfg: Config, world: int, device: Device, batch: BatchPlan, cpu_rate: float | None
+    cfg: Config, world: int, device: Device, batch: BatchSplit, cpu_rate: float | None
 ) -> tuple[float, float, float | None, str]:
     """(seconds per optimizer step, FLOPs per step per rank, MFU, where the rate comes from)."""
     shapes = model_shapes(cfg)
@@ -295,7 +287,7 @@ def host_share(device: Device, world: int) -> float:
     return device.host_bytes_per_s / min(world, GPUS_PER_NODE)
 
 
-def offload_time_s(cfg: Config, world: int, device: Device, batch: BatchPlan) -> float:
+def offload_time_s(cfg: Config, world: int, device: Device, batch: BatchSplit) -> float:
     """Seconds a step spends on offload (ZeRO-Offload) on a GPU, per rank, counted in series with
     the compute (DeepSpeed overlaps the gradients' copies with the backward in part, so this is
     high by up to that part): the host's Adam over the rank's partition (offload_optimizer), the
@@ -327,7 +319,7 @@ def plan_launch(
     """The plan of `cfg` on `world` ranks of `device` (ConfigError when the batch does not split)."""
     if world < 1:
         raise ConfigError(f"world={world} must be >= 1")
-    batch = batch_plan(cfg, world)
+    batch = split_batch(cfg, world)
     step, components = memory_components(cfg, world, device, batch)
     seconds, flops, mfu, source = step_time(cfg, world, device, batch, cpu_rate)
     shared = device.kind == "cpu" and not device.per_rank  # the machine's memory, shared by its ranks
@@ -539,67 +531,3 @@ def plan_command(cfg: Config, world: int) -> str:
         f"lmsys-plan model={cfg.model.name} deepspeed.stage={cfg.deepspeed.stage} "
         f"trainer.micro_batch_size={cfg.trainer.micro_batch_size} world={world} ..."
     )
-
-
-# ----------------------------------------------------------------------------- the measured peak
-
-
-def rss_bytes() -> int:
-    """This process's resident set size now (/proc/self/statm), 0 where it cannot be read."""
-    try:
-        with open("/proc/self/statm", encoding="ascii") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def measured_peak_bytes(device: torch.device, baseline_rss: int, trace: TensorPeak | None) -> Measured:
-    """The run's measured peak: CUDA max_memory_allocated (what the plan predicts without its
-    allocator margin); CPU with trainer.trace_memory the traced tensors' peak (TensorPeak, started
-    with the baseline), else the process's peak RSS (metrics.peak_rss_bytes) minus its RSS after
-    the imports and the process group (taken before the model is built)."""
-    if device.type == "cuda":
-        return Measured(cuda_peak_bytes(device), "cuda_max_allocated")
-    if trace is not None:
-        peak = trace.stop()
-        return Measured(peak.bytes, "traced_tensors", peak.during, peak.unconfirmed_bytes, peak.holders)
-    return Measured(peak_rss_bytes() - baseline_rss, "rss", includes_diagnosis=diagnoses_run() > 0)
-
-
-@dataclass(frozen=True)
-class Measured:
-    bytes: int
-    by: str  # cuda_max_allocated | traced_tensors | rss: what the prediction is compared with
-    during: str = ""  # traced: the ops that made the peak, outermost first
-    unconfirmed: int = 0  # traced: bytes of the peak whose free went unseen (TracedPeak)
-    holders: dict[str, int] = field(default_factory=dict)  # traced: bytes at the peak by allocating ops
-    includes_diagnosis: bool = False  # rss: a bad step's replay ran before it (metrics.diagnosis)
-
-    def predicted(self, plan: Plan) -> int:
-        """The plan's figure for this measure: the tensors alone, or with the runtime for RSS."""
-        return plan.allocated_bytes if self.by == "rss" else plan.tensor_bytes
-
-
-MEASURED_BY = {
-    "cuda_max_allocated": "",
-    "traced_tensors": " (tensors, traced)",
-    "rss": " (peak RSS, with what glibc keeps; trainer.trace_memory=true counts the tensors)",
-}
-
-
-def memory_line(
-    predicted: int,
-    measured: int,
-    by: str = "cuda_max_allocated",
-    unconfirmed: int = 0,
-    includes_diagnosis: bool = False,
-) -> str:
-    diff = (measured - predicted) / predicted if predicted else 0.0
-    line = f"memory: predicted {mib(predicted)}, measured {mib(measured)}{MEASURED_BY[by]} ({diff:+.0%})"
-    if unconfirmed:  # a traced peak with frees a gloo thread made unseen (TracedPeak)
-        line += f"; {mib(unconfirmed)} of it may be blocks a gloo thread had already freed"
-    if includes_diagnosis:
-        line += (
-            "; it includes a bad step's replay on a copy of the model, which the peak RSS cannot leave out"
-        )
-    return line

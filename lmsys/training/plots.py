@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lmsys.engine.rundir import LOSS_PLOT_FILE, read_metrics
+from lmsys.core.rundir import LOSS_PLOT_FILE, EvalRecord, TrainRecord, read_records
 
 
 def pyplot() -> Any:
@@ -24,19 +24,28 @@ def pyplot() -> Any:
     return plt
 
 
+def steps_axis(ax: Any) -> None:
+    """An x axis of optimizer steps: labelled, ticks at whole steps only (a short run's axis
+    would otherwise read 1.25, 1.50, ...)."""
+    from matplotlib.ticker import MaxNLocator  # matplotlib is loaded by now (pyplot), see above
+
+    ax.set_xlabel("optimizer step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def plot_losses(run_dir: str | Path) -> Path | None:
     """<run>/loss.png: training loss per step and validation loss, from metrics.jsonl."""
-    train = [r for r in read_metrics(run_dir, "train") if r.get("loss") is not None]
-    evals = [r for r in read_metrics(run_dir, "eval") if r.get("loss") is not None]
+    train = [r for r in read_records(run_dir, TrainRecord) if r.loss is not None]
+    evals = [r for r in read_records(run_dir, EvalRecord) if r.loss is not None]
     if not train and not evals:
         return None
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     if train:
-        ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", lw=1.2)
+        ax.plot([r.step for r in train], [r.loss for r in train], label="train loss", lw=1.2)
     if evals:
-        ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="validation loss", lw=1.2)
-    ax.set_xlabel("optimizer step")
+        ax.plot([r.step for r in evals], [r.loss for r in evals], "o-", label="validation loss", lw=1.2)
+    steps_axis(ax)
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(Path(run_dir).name)
     ax.grid(alpha=0.3)
@@ -54,10 +63,10 @@ def plot_run(rows: list[dict], out: Path, title: str) -> Path:
     steps = [r["step"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4), dpi=110)
     ax1.plot(steps, [r["loss"] for r in rows], "o-")
-    ax1.set_xlabel("optimizer step")
+    steps_axis(ax1)
     ax1.set_ylabel("loss (nats/token)")
     ax2.plot(steps, [r["perplexity"] for r in rows], "o-", color="tab:orange")
-    ax2.set_xlabel("optimizer step")
+    steps_axis(ax2)
     ax2.set_ylabel("perplexity")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
@@ -84,7 +93,7 @@ def plot_sweep(jobs: Sequence[Any], labels: Sequence[str], path: Path, title: st
             axes[1].plot(*zip(*job.val), "o-", color=color, lw=1.2, ms=3, label=label)
     for ax, name in zip(axes, ("training loss", "validation loss")):
         ax.set_title(name)
-        ax.set_xlabel("optimizer step")
+        steps_axis(ax)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("cross-entropy (nats/token)")
     if not any(j.val for j in jobs):
@@ -128,7 +137,7 @@ def plot_sweep_groups(groups: Sequence[Any], path: Path, title: str) -> Path | N
                             color=color, alpha=0.2, lw=0)  # fmt: skip
     for ax, name in zip(axes, ("training loss (mean, +-1 std over seeds)", "validation loss")):
         ax.set_title(name)
-        ax.set_xlabel("optimizer step")
+        steps_axis(ax)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("cross-entropy (nats/token)")
     handles, labels = axes[0].get_legend_handles_labels()

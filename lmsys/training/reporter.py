@@ -1,31 +1,48 @@
-"""What a training run reports, in one place. The trainer hands the `Reporter` typed events and
-the reporter feeds its sinks:
+"""What a training run reports, in one place. The trainer and its components hand the `Reporter`
+typed records (lmsys.core.rundir) once, and the reporter feeds its sinks:
 
-    event                      console (rank 0)                metrics.jsonl (rank 0)   W&B (rank 0)
-    step_done(StepReport)      bar, or a line every interval   every step ("train")    every log_interval
-    eval_done(...)             the validation line             "eval"                  always
-    checkpoint_saved(...)      "saved checkpoint ... (stall;   "checkpoint" (stall_s,  no
-                               written in the background in)   write_s, waited_s)
-    note / warn                the line                        -                       -
-    close(exit_code)           -                               closed                  finished; loss.png
+    event                          console (rank 0)                 metrics.jsonl (rank 0)  W&B (rank 0)
+    step_done(TrainRecord)         bar, or a line every interval    every step              every log_interval
+    eval_done(EvalRecord, ...)     the validation line              always                  always
+    checkpoint_saved(Checkpoint-   "saved checkpoint ... (stall;    always                  no
+      Record)                      written in the background in)
+    memory_measured(MemoryRecord)  the memory line                  always                  no
+    note / warn                    the line                         -                       -
+    close(exit_code)               -                                closed                  finished; loss.png
 
-One record per step (`lmsys.core.console.StepReport`) carries every number of the step: the
-console formats it and `StepReport.metrics()` is what metrics.jsonl stores. The metrics file and
-W&B open only once the run directory is settled (`open`), on rank 0; before that, and on the
-other ranks, events reach the console alone (which prints on rank 0 only).
+No sink spells a record's fields: the console formats the record, metrics.jsonl stores its line
+(`Record.line`), W&B shows its numbers as <kind>/<field>. The metrics file and W&B open only once
+the run directory is settled (`open`), on rank 0; before that, and on the other ranks, events
+reach the console alone (which prints on rank 0 only).
+
+W&B never blocks and never prompts: `online` needs WANDB_API_KEY in the environment and falls
+back to `offline` with a warning otherwise (or when the service cannot be reached); its files
+live in `<run_dir>/wandb`. The API key is never written anywhere by lmsys.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from lmsys.core.console import Console, StepReport
-from lmsys.training.metrics import MetricsLogger
-from lmsys.training.planning import Measured, Plan, memory_line
+from lmsys.core.config import Config, LoggerConfig
+from lmsys.core.console import Console
+from lmsys.core.rundir import (
+    CheckpointRecord,
+    EvalRecord,
+    MemoryRecord,
+    MetricsFile,
+    Record,
+    TrainRecord,
+    read_all_records,
+)
+from lmsys.core.runtime import Setup
+from lmsys.engine.zero import EngineInfo
+from lmsys.training.devices import device_name
 from lmsys.training.plots import plot_losses
 
 
@@ -36,9 +53,10 @@ class Reporter:
         self.console = console
         self.log_interval = log_interval
         self.plot = plot  # logger.plot: loss.png when the run closes
-        self.logger: MetricsLogger | None = None
+        self.metrics: MetricsFile | None = None
+        self.wandb: WandbRun | None = None
         self.first_step: int | None = None  # of this launch
-        self.max_steps: int | None = None
+        self.max_steps = 0
 
     @property
     def prog(self) -> str:
@@ -46,16 +64,37 @@ class Reporter:
 
     # -- sinks --------------------------------------------------------------------------------
 
-    def open(self, open_logger: Callable[[Callable[[str], None]], MetricsLogger]) -> None:
-        """Rank 0, once the run directory is settled: metrics.jsonl and W&B from now on."""
-        self.logger = open_logger(self.console.warn)
+    def open(
+        self,
+        run_dir: Path,
+        logger: LoggerConfig,
+        config: dict[str, Any],
+        wandb_id: str | None,
+        resumed_step: int,
+    ) -> None:
+        """Rank 0, once the run directory is settled: metrics.jsonl and W&B from now on. A resumed
+        W&B run is sent the records kept from the attempts before (`WandbRun.replay`)."""
+        self.metrics = MetricsFile(run_dir, resumed_step)
+        if logger.wandb != "disabled":
+            self.wandb = WandbRun.start(run_dir, logger, config, wandb_id, self.console.warn)
+        if self.wandb is not None and resumed_step > 0:
+            self.wandb.replay(read_all_records(run_dir), logger.log_interval)
 
     @property
     def wandb_id(self) -> str | None:
-        return self.logger.wandb_id if self.logger is not None else None
+        return self.wandb.id if self.wandb is not None else None
 
     def wandb_line(self) -> str:
-        return self.logger.wandb_line() if self.logger is not None else ""
+        """Where this run's W&B record is, and for an offline run how to upload it."""
+        if self.wandb is not None:
+            return self.wandb.line()
+        return f"W&B: off (metrics in {self.metrics.path})" if self.metrics is not None else ""
+
+    def _write(self, record: Record, to_wandb: bool) -> None:
+        if self.metrics is not None:
+            self.metrics.write(record)
+        if self.wandb is not None and to_wandb:
+            self.wandb.log(record)
 
     # -- events -------------------------------------------------------------------------------
 
@@ -72,85 +111,227 @@ class Reporter:
         with self.console.progress(total=last, initial=first - 1):
             yield
 
-    def step_done(self, report: StepReport) -> None:
-        if self.logger is not None:
-            due = report.step % self.log_interval == 0 or report.step in (self.first_step, report.max_steps)
-            self.logger.log("train", report.step, report.metrics(), to_wandb=due)
-        self.console.step_done(report)
+    def step_done(self, record: TrainRecord) -> None:
+        due = record.step % self.log_interval == 0 or record.step in (self.first_step, self.max_steps)
+        self._write(record, to_wandb=due)
+        self.console.step_done(record)
 
-    def eval_done(self, step: int, train_loss: float, val_loss: float, coverage: str) -> None:
-        if self.logger is not None:
-            self.logger.log("eval", step, {"loss": val_loss, "ppl": math.exp(min(val_loss, 80.0))})
-        self.console.eval_done(step, train_loss, val_loss, coverage)
+    def eval_done(self, record: EvalRecord, train_loss: float, coverage: str) -> None:
+        self._write(record, to_wandb=True)
+        self.console.eval_done(record, train_loss, coverage)
 
-    def checkpoint_saved(
-        self,
-        step: int,
-        path: Path,
-        seconds: float,
-        announce: bool = True,
-        write_s: float | None = None,
-        waited_s: float = 0.0,
-        asynchronous: bool = False,
-    ) -> None:
-        """A committed checkpoint. seconds: the loop's stall; write_s: writing, checking and
-        committing it (the same as the stall when saved synchronously, in the background when not);
-        waited_s: of the stall, waiting for the previous save to finish."""
-        write_s = seconds if write_s is None else write_s
-        if self.logger is not None:
-            row = {"path": str(path), "seconds": seconds, "stall_s": seconds, "write_s": write_s}
-            row.update(waited_s=waited_s, **{"async": asynchronous})
-            self.logger.log("checkpoint", step, row, to_wandb=False)
+    def checkpoint_saved(self, record: CheckpointRecord, announce: bool = True) -> None:
+        """A committed checkpoint: its record, and its line unless a stop line says it instead."""
+        self._write(record, to_wandb=False)
         if not announce:
             return
-        if not asynchronous:
-            self.note(f"saved checkpoint {path} ({seconds:.1f} s)")
+        if not record.asynchronous:
+            self.note(f"saved checkpoint {record.path} ({record.stall_s:.1f} s)")
             return
-        waited = f", {waited_s:.2f} s of it waiting for the previous save" if waited_s >= 0.005 else ""
+        waited = record.waited_s
+        of_it = f", {waited:.2f} s of it waiting for the previous save" if waited >= 0.005 else ""
         self.note(
-            f"saved checkpoint {path} (loop stalled {seconds:.2f} s{waited}; "
-            f"written in the background in {write_s:.2f} s)"
+            f"saved checkpoint {record.path} (loop stalled {record.stall_s:.2f} s{of_it}; "
+            f"written in the background in {record.write_s:.2f} s)"
         )
 
-    def memory_measured(
-        self, step: int, plan: Plan | None, ranks: list[dict[str, int]], measured: Measured
-    ) -> None:
-        """After the second applied step (rank 0): every rank's measured peak (lmsys.training.
-        planning.measured_peak_bytes; `measured` is rank 0's, for how it was taken) beside the
-        prediction, as a line and a `memory` record."""
-        peaks = [int(r["measured_peak_bytes"]) for r in ranks]
-        largest = max(range(len(peaks)), key=peaks.__getitem__, default=None)
-        peak = peaks[largest] if largest is not None else 0
-        traced = measured.by == "traced_tensors" and largest is not None
-        unconfirmed = int(ranks[largest]["measured_peak_unconfirmed_bytes"]) if traced else 0
-        predicted = measured.predicted(plan) if plan is not None else None
-        if self.logger is not None:
-            values: dict[str, Any] = {
-                "measured_peak_bytes": peak,
-                "measured_peak_bytes_per_rank": peaks,
-                "predicted_peak_bytes": predicted,
-                "measured_by": measured.by,
-            }
-            if measured.includes_diagnosis:
-                values["measured_includes_diagnosis"] = True
-            if traced:
-                values["measured_peak_unconfirmed_bytes"] = unconfirmed
-                values["rank0_peak_during"] = measured.during
-                values["rank0_peak_holders"] = measured.holders
-            self.logger.log("memory", step, values, to_wandb=False)
-        if predicted is not None:
-            self.note(memory_line(predicted, peak, measured.by, unconfirmed, measured.includes_diagnosis))
+    def memory_measured(self, record: MemoryRecord, line: str | None) -> None:
+        """Every rank's measured peak beside the prediction (rank 0), and its line when predicted."""
+        self._write(record, to_wandb=False)
+        if line is not None:
+            self.note(line)
 
-    def summary(self, values: dict[str, Any]) -> None:
-        if self.logger is not None:
-            self.logger.summary(values)
+    def banner(
+        self,
+        cfg: Config,
+        setup: Setup,
+        info: EngineInfo,
+        model: tuple[int, float],
+        ready_s: float,
+        start_step: int,
+        run_dir: Path,
+        coverage: str,
+    ) -> None:
+        """The launch's lines before its first step: the model (parameters, FLOPs per token), the
+        batch, the engine (ready in `ready_s`), the steps to run and the validation."""
+        batch, (n_params, flops_per_token) = setup.batch, model
+        extras = [
+            (info.activation_checkpointing, ", activation checkpointing"),
+            (info.offload_optimizer, ", offload optimizer"),
+            (info.offload_param, ", offload params"),
+            (cfg.trainer.deterministic, ", deterministic"),
+        ]
+        first, last = start_step + 1, cfg.trainer.max_steps
+        steps = f"steps {first}..{last}"
+        if first > last:
+            steps = f"no steps to run: the checkpoint is at step {start_step} (trainer.max_steps={last})"
+        whole = "" if cfg.trainer.eval_batches == 0 else " (trainer.eval_batches=0 for the whole split)"
+        for line in (
+            f"model {cfg.model.name}: {n_params:,} parameters, {flops_per_token / 1e6:,.1f} MFLOP per token "
+            f"(6N + 12LHdT at T={batch.seq_len})",
+            f"{batch.arithmetic()} ({batch.global_batch_sequences} sequences)",
+            f"ZeRO stage {info.stage}, world size {setup.world_size}, device {device_name(setup.device)}, "
+            f"{setup.precision}, {info.optimizer}{''.join(text for on, text in extras if on)} "
+            f"(ready in {ready_s:.1f} s)",
+            f"{steps}, run directory {run_dir}",
+            f"validation every {cfg.trainer.eval_interval} steps on {coverage}{whole}",
+        ):
+            self.note(line)
+
+    def finish(
+        self,
+        losses: tuple[float | None, float | None, float | None],
+        start_step: int,
+        max_steps: int,
+        elapsed_s: float,
+        run_dir: Path,
+        compiled: str | None,
+    ) -> None:
+        """The run is done: its final values in W&B's summary, the sinks closed, its last lines.
+        losses: this launch's first and last training loss, and the last validation loss."""
+        first_loss, last_loss, last_val = losses
+        wandb_line = self.wandb_line()
+        if self.wandb is not None:
+            self.wandb.summary(
+                {"final/loss": last_loss, "final/val_loss": last_val, "final/steps": max_steps}
+            )
+        self.close(run_dir=run_dir)
+        if start_step >= max_steps:
+            self.note(f"nothing to do: the checkpoint is already at trainer.max_steps={max_steps}")
+        else:
+            first = f"{first_loss:.4f}" if first_loss is not None else "n/a"
+            last = f"{last_loss:.4f}" if first_loss is not None else "n/a"
+            val = (
+                ""
+                if last_val is None
+                else f", val loss {last_val:.4f} (ppl {math.exp(min(last_val, 80.0)):.1f})"
+            )
+            self.note(
+                f"done: steps {start_step + 1}..{max_steps} in {elapsed_s:.1f} s, loss {first} -> {last}{val}"
+            )
+        for line in (compiled, f"run directory: {run_dir.resolve()}", wandb_line):
+            if line:
+                self.note(line)
 
     def close(self, exit_code: int = 0, run_dir: Path | None = None) -> None:
         """Close metrics.jsonl and W&B (with the run's exit status) and draw loss.png (rank 0,
         logger.plot). Safe to call again: only the first call does anything."""
-        if self.logger is None:
+        if self.metrics is None:
             return
-        logger, self.logger = self.logger, None
-        logger.close(exit_code=exit_code)
+        self.metrics.close()
+        self.metrics = None
+        if self.wandb is not None:
+            self.wandb.finish(exit_code, self.console.warn)
+            self.wandb = None
         if run_dir is not None and self.plot:
             plot_losses(run_dir)
+
+
+# ----------------------------------------------------------------------------- the W&B sink
+
+
+class WandbRun:
+    """A run's W&B record (rank 0). It shows the train and eval records, each number as
+    <kind>/<field> against `step`."""
+
+    SHOWN = (TrainRecord, EvalRecord)
+
+    def __init__(self, run: Any, mode: str) -> None:
+        self.run, self.mode = run, mode
+        self.location = run.url if mode == "online" else str(run.settings.sync_dir)
+
+    @classmethod
+    def start(
+        cls,
+        run_dir: Path,
+        lg: LoggerConfig,
+        config: dict[str, Any],
+        wandb_id: str | None,
+        warn: Callable[[str], None],
+    ) -> WandbRun | None:
+        """A W&B run in run_dir/wandb, online or offline as logger.wandb says (offline when online
+        cannot start), or None (with a warning) when W&B cannot start at all."""
+        mode = lg.wandb
+        if mode == "online" and not os.environ.get("WANDB_API_KEY"):
+            warn("logger.wandb=online but WANDB_API_KEY is not set; logging to W&B offline instead")
+            mode = "offline"
+        os.environ.setdefault("WANDB_SILENT", "true")
+        os.environ.setdefault("WANDB_CONSOLE", "off")
+        os.environ.setdefault("WANDB_DISABLE_CODE", "true")
+        try:
+            import wandb  # about a second to import: only runs that log to W&B pay it
+        except ImportError:
+            warn("wandb is not installed; logging to metrics.jsonl only")
+            return None
+
+        def init(m: str) -> Any:
+            settings = wandb.Settings(
+                console="off", silent=True, save_code=False, x_save_requirements=False, init_timeout=60.0
+            )
+            return wandb.init(
+                project=lg.project,
+                entity=lg.entity,
+                group=lg.group,
+                tags=list(lg.tags) or None,
+                name=run_dir.name,
+                id=wandb_id,
+                resume="allow" if wandb_id else None,
+                dir=str(run_dir),
+                mode=m,
+                config=config,
+                settings=settings,
+            )
+
+        try:
+            run = init(mode)
+        except Exception as exc:  # no network, bad key, service start failure
+            if mode != "online":
+                warn(f"W&B could not start ({type(exc).__name__}: {exc}); logging to metrics.jsonl only")
+                return None
+            warn(f"W&B online could not start ({type(exc).__name__}); logging to W&B offline instead")
+            try:
+                run, mode = init("offline"), "offline"
+            except Exception as exc2:
+                warn(f"W&B could not start ({type(exc2).__name__}: {exc2}); logging to metrics.jsonl only")
+                return None
+        for kind in cls.SHOWN:
+            run.define_metric(f"{kind.KIND}/*", step_metric="step")
+        return cls(run, mode)
+
+    @property
+    def id(self) -> str:
+        return self.run.id
+
+    def log(self, record: Record) -> None:
+        data = {f"{record.KIND}/{k}": v for k, v in record.fields().items() if isinstance(v, (int, float))}
+        data["step"] = record.step
+        self.run.log(data, step=record.step)
+
+    def replay(self, records: Sequence[Record], log_interval: int) -> None:
+        """Send the records kept from earlier attempts (steps up to the resumed checkpoint) to the
+        resumed W&B run. An offline attempt writes its own file, and one killed with -9 leaves
+        only what W&B had flushed (often nothing), so without this the run's W&B history would
+        start at the resumed step. Steps the W&B run already holds (below `run.starting_step`:
+        what the server has online, nothing offline) are not sent again. Train records follow
+        the usual cadence (every `log_interval`-th step and the first); eval records all go."""
+        held = int(getattr(self.run, "starting_step", 0) or 0)
+        for record in records:
+            if record.step < held or not isinstance(record, self.SHOWN):
+                continue
+            if isinstance(record, EvalRecord) or record.step % log_interval == 0 or record.step == 1:
+                self.log(record)
+
+    def line(self) -> str:
+        if self.mode == "online":
+            return f"W&B: online run {self.location}"
+        return f"W&B: offline run in {self.location}; upload it with: wandb sync {self.location}"
+
+    def summary(self, values: dict[str, Any]) -> None:
+        for k, v in values.items():
+            self.run.summary[k] = v
+
+    def finish(self, exit_code: int, warn: Callable[[str], None]) -> None:
+        try:
+            self.run.finish(exit_code=exit_code)
+        except Exception as exc:  # never fail a finished training run on logging
+            warn(f"W&B finish failed: {type(exc).__name__}: {exc}")

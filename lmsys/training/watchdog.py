@@ -4,8 +4,9 @@ naming the rank(s) that did not arrive.
 A collective waits for every rank. When one rank freezes (SIGSTOP, a deadlock, a sleeping
 syscall, a lost GPU) the others wait in the collective; gloo's and NCCL's timeouts do not always
 fire (a rank frozen by SIGSTOP held a 2-rank CPU job for 150 s), and nothing says which
-rank is to blame. So the trainer tells the watchdog where it is (`at(step, micro_batch, op)`: a
-plain attribute store, no I/O), and a thread wakes every few seconds:
+rank is to blame. So the training loop tells the watchdog, one of its components
+(lmsys.training.components), where it is (`at(step, op, micro_batch)`: a plain attribute store, no
+I/O), and a thread, started when the loop begins, wakes every few seconds:
 
 1. When this rank has made no progress for trainer.hang_timeout_s, or another rank opened an
    incident, it joins the incident: it writes its Python stacks (faulthandler, every thread) and
@@ -45,9 +46,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from lmsys.core import rundir
 from lmsys.core.errors import EXIT_STUCK_RANK
 from lmsys.core.files import atomic_write_text
-from lmsys.engine import rundir
+from lmsys.engine import checkpoint as ckpt
+from lmsys.engine.runlock import release_held
+from lmsys.training.components import Component, Loop
 
 REPORT_ENV = "LMSYS_HANG_REPORT"  # a launcher's file for the line (launch/torchrun.py)
 
@@ -127,8 +131,22 @@ def side_channel(timeout_s: float, run_dir: Path, start_step: int) -> dist.Store
     return dist.PrefixStore(f"lmsys/watchdog/{launch}/", store)
 
 
-class Watchdog:
-    """One rank's watchdog. `at()` is called by the training loop; the thread does the rest."""
+def resume_hint(run_dir: Path) -> str:
+    """For the stuck-rank line: the newest checkpoint on disk, committed (an asynchronous save
+    still in flight may never be)."""
+    committed = [
+        step
+        for step, path in ckpt.list_checkpoints(run_dir / rundir.CHECKPOINTS)
+        if (path / ckpt.MARKER).is_file()
+    ]
+    if not committed:
+        return "; no checkpoint was saved yet"
+    return f"; trainer.resume=auto continues from the checkpoint of step {committed[0]}"
+
+
+class Watchdog(Component):
+    """One rank's watchdog. The training loop marks its progress (`before_step`, `at`); the thread
+    does the rest."""
 
     def __init__(
         self,
@@ -138,10 +156,9 @@ class Watchdog:
         run_dir: Path,
         prog: str,
         warn: Callable[[str], None],
-        resume_note: Callable[[], str],
     ) -> None:
         self.timeout_s, self.rank, self.world_size = timeout_s, rank, world_size
-        self.run_dir, self.prog, self.warn, self.resume_note = run_dir, prog, warn, resume_note
+        self.run_dir, self.prog, self.warn = run_dir, prog, warn
         self.poll_s = min(5.0, max(0.5, timeout_s / 10))
         self.grace_s = min(30.0, max(5.0, timeout_s / 2))  # for the other ranks to answer
         self.position = Position(0, 0, None, "start")
@@ -153,9 +170,18 @@ class Watchdog:
 
     # -- the training loop's side: cheap, no I/O -------------------------------------------------
 
+    def begin(self, loop: Loop) -> None:
+        self.start(loop.start_step)
+
+    def before_step(self, step: int) -> None:
+        self.at(step, "start")
+
     def at(self, step: int, op: str, micro_batch: int | None = None) -> None:
         self.position = Position(self.position.seq + 1, step, micro_batch, op)
         self.last_progress = time.monotonic()
+
+    def end(self) -> None:
+        self.stop()
 
     # -- the thread ------------------------------------------------------------------------------
 
@@ -190,11 +216,8 @@ class Watchdog:
                 print(f"{self.prog}: warning: the hang watchdog stopped: {exc}", file=sys.stderr, flush=True)
                 return
 
-    def _stacks_file(self, rank: int) -> Path:
-        return self.run_dir / rundir.DIAGNOSTICS / f"hang-rank-{rank}.txt"
-
     def _write_stacks(self, position: Position, idle: float) -> None:
-        path = self._stacks_file(self.rank)
+        path = rundir.hang_stacks_file(self.run_dir, self.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as f:
             f.write(
@@ -211,7 +234,7 @@ class Watchdog:
         if self.store is None:  # a world of one: nobody to wait for, nobody to blame
             self.warn(
                 f"no progress for {idle:.0f} s at {position.where()} (trainer.hang_timeout_s="
-                f"{self.timeout_s:g}); stacks in {self._stacks_file(self.rank)}"
+                f"{self.timeout_s:g}); stacks in {rundir.hang_stacks_file(self.run_dir, self.rank)}"
             )
             self.last_progress = time.monotonic()
             return
@@ -233,7 +256,7 @@ class Watchdog:
         if not verdict.behind:
             self.warn(
                 f"every rank has made no progress for {self.timeout_s:g} s at "
-                f"{Position(**verdict.lead).where()}; stacks in {self._stacks_file(0).parent}; "
+                f"{Position(**verdict.lead).where()}; stacks in {rundir.diagnostics_dir(self.run_dir)}; "
                 f"waiting on (trainer.dist_timeout_s ends a collective that never returns)"
             )
             self.incident += 1
@@ -254,14 +277,15 @@ class Watchdog:
                     os.kill(int(where["pid"]), signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        stacks = str(self._stacks_file(0).parent / "hang-rank-*.txt")
-        line = describe(verdict, self.timeout_s, stacks) + self.resume_note()
+        stacks = str(rundir.diagnostics_dir(self.run_dir) / rundir.HANG_STACKS_FILES)
+        line = describe(verdict, self.timeout_s, stacks) + resume_hint(self.run_dir)
         report = os.environ.get(REPORT_ENV)
         if self.rank == min(verdict.waiting, default=self.rank):
-            atomic_write_text(self.run_dir / rundir.DIAGNOSTICS / "hang.txt", line + "\n")
+            atomic_write_text(rundir.hang_line_file(self.run_dir), line + "\n")
             if not report:  # else the launcher says it, once
                 sys.stdout.flush()
                 print(f"{self.prog}: error: {line}", file=sys.stderr, flush=True)
         if report and self.rank not in verdict.behind:
             atomic_write_text(Path(report), line + "\n")
+        release_held()  # rank 0's run.lock: os._exit skips the release
         os._exit(EXIT_STUCK_RANK)  # the main thread waits in a collective that will never return

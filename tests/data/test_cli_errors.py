@@ -138,8 +138,9 @@ def test_shards_made_by_another_tokenizer(prepared, corpus_dir, other_tokenizer,
         (["data.val_fraction=2"], ["data.val_fraction=2.0 must be in (0, 1)"]),
         (["data.on_decode_error=ignore"], ["data.on_decode_error='ignore' is not valid", "error, skip"]),
         (["data.sources"], ["overrides are key=value"]),
+        (["data.encoding=latin-9000"], ["data.encoding='latin-9000' is not a text encoding", "latin-1"]),
     ],
-    ids=["context_too_long", "unknown_key", "bad_fraction", "bad_choice", "not_key_value"],
+    ids=["context_too_long", "unknown_key", "bad_fraction", "bad_choice", "not_key_value", "bad_encoding"],
 )
 def test_bad_config(tmp_path, out_root, overrides, fragments):
     proc = run_prepare(f"data.dir={out_root / 'out'}", *overrides, cwd=tmp_path)
@@ -169,3 +170,128 @@ def test_an_argparse_flag_names_the_override(tmp_path):
     )
     assert "did you mean model.vocab_size=512" in line, line
     assert_nothing_left(tmp_path)
+
+
+def _other_corpus(tmp_path: Path) -> Path:
+    """Markdown files of another text than the session corpus."""
+    src = tmp_path / "other_src"
+    src.mkdir()
+    rng = random.Random(11)
+    for i in range(5):
+        (src / f"chapter_{i}.md").write_text(f"# Chapter {i}\n\n" + synthetic_text(rng, 8), encoding="utf-8")
+    return src
+
+
+@pytest.mark.parametrize(
+    "change, fragments",
+    [
+        ("sources", ["was prepared from other sources (", "5 file(s) added, e.g.", "16 file(s) removed"]),
+        ("settings", ["other settings (data.seed 1234, now 99, data.val_fraction 0.2, now 0.3)"]),
+        ("tokenizer", ["other tokenizer (vocab_size 400, now 320)"]),
+    ],
+)
+def test_prepared_data_is_never_replaced_unasked(prepared, corpus_dir, tmp_path, capsys, change, fragments):
+    """A data.dir prepared from other sources, settings or tokenizer size stays as it is without
+    data.overwrite=true: one line says what differs and how to proceed (runs trained on it would
+    lose their data), nothing is written; with data.overwrite=true it is prepared again."""
+    from lmsys.prepare import main
+
+    out = tmp_path / "outputs" / "prepared"
+    shutil.copytree(prepared, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    overrides = base_overrides(corpus_dir, out)
+    if change == "sources":
+        overrides[0] = f"data.sources=[{_other_corpus(tmp_path)}]"
+    elif change == "settings":
+        overrides += ["data.seed=99", "data.val_fraction=0.3"]
+    else:
+        overrides += ["model.vocab_size=320"]
+    assert main(overrides) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"lmsys-prepare: error: data.dir={out} was prepared"), err
+    for fragment in [*fragments, "choose another data.dir, or set data.overwrite=true"]:
+        assert fragment in err[0], (fragment, err[0])
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert_nothing_left(out.parent, keep={"prepared"})
+    assert main([*overrides, "data.overwrite=true"]) == 0
+    assert {p.name: p.read_bytes() for p in out.iterdir()} != before
+
+
+def test_a_damaged_prepared_directory_is_not_replaced_unasked(prepared, corpus_dir, tmp_path):
+    """Shards that no longer check out are named, not silently prepared again."""
+    out = tmp_path / "outputs" / "prepared"
+    shutil.copytree(prepared, out)
+    (out / "val_0000.bin").unlink()
+    proc = run_prepare(*base_overrides(corpus_dir, out), cwd=tmp_path)
+    assert_one_line_error(proc, "val_0000.bin listed in manifest.json is missing", "data.overwrite=true")
+    assert not (out / "val_0000.bin").exists()
+
+
+def test_data_dir_that_is_a_file(tmp_path, out_root):
+    """data.dir naming a file: prepare and every reader say it is a file, not that it is missing."""
+    from lmsys.core.errors import DataError
+    from lmsys.data.shards import PreparedData
+
+    afile = out_root / "notes.txt"
+    afile.write_text("not a directory\n", encoding="utf-8")
+    proc = run_prepare(f"data.dir={afile}", "data.sources=[/nonexistent]", cwd=tmp_path)
+    assert_one_line_error(proc, "nonexistent does not exist")  # the sources are checked first
+    src = tmp_path / "src.txt"
+    src.write_text(synthetic_text(random.Random(1), 30), encoding="utf-8")
+    proc = run_prepare(f"data.dir={afile}", f"data.sources=[{src}]", cwd=tmp_path)
+    assert_one_line_error(proc, f"data.dir={afile} is a file, not a directory")
+    with pytest.raises(DataError, match=rf"prepared data directory {afile} is a file, not a directory"):
+        PreparedData(afile)
+    assert afile.read_text(encoding="utf-8") == "not a directory\n"
+
+
+def test_latin1_text_is_named_or_read_with_data_encoding(tmp_path, out_root, capsys):
+    """A corpus of Latin-1 files: one line naming the first (not "binary", not skipped unnamed);
+    with data.encoding=latin-1 it is prepared and its shards decode to the files' text."""
+    from lmsys.data.shards import PreparedData
+    from lmsys.data.tokenizer import Tokenizer
+    from lmsys.prepare import main
+    from tests.data.test_corpus import _latin1_corpus
+    from tests.data.test_prepare import split_documents
+
+    src = _latin1_corpus(tmp_path / "briefe")
+    (src / "utf8.md").unlink()
+    out = out_root / "out"
+    common = [f"data.sources=[{src}]", f"data.dir={out}", "model.vocab_size=300", "data.val_fraction=0.4"]
+    assert main(common) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"lmsys-prepare: error: {src / 'ANLEITUNG'}: not utf-8 text"
+    ), err
+    assert "data.encoding=latin-1" in err[0]
+    assert_nothing_left(out_root)
+    assert main([*common, "data.encoding=latin-1"]) == 0
+    data = PreparedData(out)
+    tok = Tokenizer(data.tokenizer_path)
+    docs = [tok.decode(d[:-1]) for split in ("train", "val") for d in split_documents(data, split)]
+    wanted = [(src / n).read_bytes().decode("latin-1") for n in ("ANLEITUNG", "HANDBUCH", "brief.txt")]
+    assert sorted(docs) == sorted(wanted)
+    assert data.manifest["fingerprint"]["sources"]["encoding"] == "iso8859-1"
+
+
+def test_a_code_corpus_with_data_suffixes(tmp_path, out_root, capsys):
+    """data.suffixes=[.py,.pyi]: a directory of code is a corpus (every .py and .pyi file, nothing
+    else); the sources line accounts for the rest."""
+    import json
+
+    from lmsys.prepare import main
+    from tests.data.test_corpus import _code_tree
+
+    src = _code_tree(tmp_path / "src")
+    for i in range(8):  # enough documents for both splits
+        (src / "pkg" / f"mod_{i}.py").write_text(
+            f"def f{i}(a, b):\n    return a * {i} + b\n", encoding="utf-8"
+        )
+    out = out_root / "out"
+    assert (
+        main([f"data.sources=[{src}]", f"data.dir={out}", "model.vocab_size=300", "data.suffixes=[.py,.pyi]"])
+        == 0
+    )
+    assert "13 files matched: 11 read; skipped: 2 of other types (.rs, .txt)" in capsys.readouterr().out
+    files = json.loads((out / "manifest.json").read_text())["sources"]["files"]
+    assert sorted(Path(f["path"]).suffix for f in files) == [".py"] * 10 + [".pyi"]

@@ -231,3 +231,88 @@ def test_stats_paths_are_strings(corpus_dir):
     described = FileCorpus.from_sources([str(corpus_dir)]).describe()
     json.dumps(described)  # goes into manifest.json
     assert all(Path(f["path"]).is_file() and f["bytes"] > 0 for f in described["files"])
+
+
+# ----------------------------------------------------------------------------- other encodings, code
+
+GERMAN = "Größe, Straße und Maß: über Äpfel, Öl und Übel. Café crème à la française.\n"
+
+
+def _latin1_corpus(root: Path) -> Path:
+    """A directory of German and French text in Latin-1 (ISO 8859-1): `ANLEITUNG` (no suffix)
+    with its first accent at once, `HANDBUCH` with its first one after the sniffed head, and
+    `brief.txt`; beside them one UTF-8 file."""
+    root.mkdir()
+    (root / "ANLEITUNG").write_bytes((GERMAN * 40).encode("latin-1"))
+    (root / "HANDBUCH").write_bytes(("plain ascii words " * 600 + GERMAN * 20).encode("latin-1"))
+    (root / "brief.txt").write_bytes(("Lieber Jürgen,\n" + GERMAN * 10).encode("latin-1"))
+    (root / "utf8.md").write_text("# Notes\n\nÄ UTF-8 file ✓\n", encoding="utf-8")
+    return root
+
+
+def test_text_in_another_encoding_is_named_and_read_with_data_encoding(tmp_path):
+    """Latin-1 text is never counted as binary: a file of no known suffix whose first bytes are
+    not UTF-8 is refused by name with the data.encoding hint (or, with on_decode_error=skip, left
+    out and named in the summary), one whose first foreign byte comes later stops the pass by name
+    and offset with the same hint, and data.encoding=latin-1 reads every file exactly."""
+    root = _latin1_corpus(tmp_path / "briefe")
+    early = (GERMAN * 40).encode("latin-1").index("ö".encode("latin-1"))
+    with pytest.raises(DataError) as err:
+        FileCorpus.from_sources([str(root)])
+    line = str(err.value)
+    assert line.startswith(
+        f"{root / 'ANLEITUNG'}: not utf-8 text (byte 0xf6 at offset {early}) and not binary"
+    )
+    assert "set data.encoding to it (e.g. data.encoding=latin-1" in line and "\n" not in line
+
+    skipping = FileCorpus.from_sources([str(root)], on_decode_error="skip")
+    assert "skipped: 1 not utf-8 text (ANLEITUNG)" in skipping.scan.summary()
+    assert "binary" not in skipping.scan.summary()
+    with pytest.raises(
+        DataError, match=r"brief.txt: undecodable UTF-8 at byte offset 8 .*data.encoding=latin-1"
+    ):
+        list(FileCorpus.from_sources([str(root / "brief.txt")]).documents())
+    late = ("plain ascii words " * 600).encode()
+    with pytest.raises(DataError, match=rf"HANDBUCH: undecodable UTF-8 at byte offset {len(late) + 2} "):
+        list(FileCorpus.from_sources([str(root / "HANDBUCH")]).documents())
+
+    latin = FileCorpus.from_sources(
+        [str(root / p) for p in ("ANLEITUNG", "HANDBUCH", "brief.txt")], encoding="latin-1"
+    )
+    assert list(latin.documents()) == [
+        (root / name).read_bytes().decode("latin-1") for name in ("ANLEITUNG", "HANDBUCH", "brief.txt")
+    ]
+    assert latin.fingerprint()["encoding"] == "iso8859-1"  # data prepared in UTF-8 has no such key
+    assert "encoding" not in FileCorpus.from_sources([str(root / "utf8.md")]).fingerprint()
+    with pytest.raises(DataError, match="data.encoding='klingon' is not a text encoding"):
+        FileCorpus.from_sources([str(root)], encoding="klingon")
+
+
+def _code_tree(root: Path) -> Path:
+    (root / "pkg" / "sub").mkdir(parents=True)
+    (root / "pkg" / "__init__.py").write_text('"""A package."""\n', encoding="utf-8")
+    (root / "pkg" / "sub" / "tool.py").write_text("def tool(x):\n    return x + 1\n", encoding="utf-8")
+    (root / "pkg" / "sub" / "tool.pyi").write_text("def tool(x: int) -> int: ...\n", encoding="utf-8")
+    (root / "pkg" / "lib.rs").write_text("fn main() {}\n", encoding="utf-8")
+    (root / "README.txt").write_text("Read me.\n", encoding="utf-8")
+    return root
+
+
+def test_code_is_a_corpus_through_a_glob_or_data_suffixes(tmp_path):
+    """A glob that names a suffix reads the files it matches, code included; data.suffixes chooses
+    which suffixes a directory contributes (and only those); without either, code in a directory
+    is skipped as before."""
+    root = _code_tree(tmp_path / "src")
+    names = lambda files: sorted(f.path.name for f in files)  # noqa: E731
+    assert names(resolve_sources([str(root)])) == ["README.txt"]
+    assert names(resolve_sources([str(root / "**" / "*.py")])) == ["__init__.py", "tool.py"]
+    with pytest.raises(DataError, match=r"glob .*pkg/\*' has no .* files \(it matched 2 of other types\)"):
+        resolve_sources([str(root / "pkg" / "*")])  # a glob naming no suffix chooses as a directory
+    corpus = FileCorpus.from_sources([str(root)], suffixes=["py", ".PYI"])
+    assert names(corpus.files) == ["__init__.py", "tool.py", "tool.pyi"]
+    assert corpus.scan.summary() == "5 files matched: 3 read; skipped: 2 of other types (.rs, .txt)"
+    assert "def tool(x):\n    return x + 1\n" in list(corpus.documents())
+    with pytest.raises(
+        DataError, match=r"has no files of data.suffixes=\['.go'\] \(it matched 2 of other types\)"
+    ):
+        FileCorpus.from_sources([str(root / "pkg" / "sub")], suffixes=[".go"])

@@ -278,3 +278,104 @@ def rows_of(data, entry) -> list[int]:
     """The tokens of a provenance entry, read from its shard file at its offset."""
     shard = np.memmap(data.dir / entry["shard"], dtype=data.dtype, mode="r")
     return shard[entry["shard_offset"] : entry["shard_offset"] + entry["tokens"]].tolist()
+
+
+@pytest.fixture
+def sampled_copy(prepared, tmp_path, monkeypatch):
+    """A copy of the prepared data opened as data too large to check in full: the limits lowered
+    to nothing, the sample two blocks of 64 ids per shard."""
+    import shutil
+
+    from lmsys.data import integrity
+
+    monkeypatch.setattr(integrity, "FULL_CHECK_BYTES", 0)
+    monkeypatch.setattr(integrity, "ID_CHECK_BYTES", 0)
+    monkeypatch.setattr(integrity, "BLOCK_TOKENS", 64)
+    monkeypatch.setattr(integrity, "SAMPLE_BYTES", 0)
+    return shutil.copytree(prepared, tmp_path / "copy")
+
+
+def _poison(directory, split: str, value: int) -> tuple[str, int, int]:
+    """An id past the vocabulary in the middle of the split's second shard (or its only one):
+    (shard file, position in it, position in the split)."""
+    manifest = json.loads((directory / "manifest.json").read_text())
+    shards = [s for s in manifest["shards"] if s["split"] == split]
+    index = min(1, len(shards) - 1)
+    path = directory / shards[index]["file"]
+    ids = np.fromfile(path, dtype="<u2")
+    where = len(ids) // 2 + 5
+    ids[where] = value
+    ids.tofile(path)
+    return shards[index]["file"], where, sum(s["tokens"] for s in shards[:index]) + where
+
+
+def test_every_batch_is_checked_before_it_reaches_the_model(sampled_copy):
+    """Data above the size checked in full when opened: an id between the sampled blocks stops the
+    loader at the step whose global batch holds it, on every rank alike (also the ranks whose own
+    micro-batches do not hold it), in one line naming the shard and position; no batch with it is
+    ever returned."""
+    from lmsys.data.tokenizer import Tokenizer
+
+    vocab = Tokenizer(sampled_copy / "tokenizer.model").vocab_size
+    shard, where, split_pos = _poison(sampled_copy, "train", vocab + 9)
+    data = PreparedData(sampled_copy)  # the sample misses it
+    loaders = [loader(data, world=2, rank=r, micro=1) for r in range(2)]
+    holder = next(
+        step
+        for step in range(loaders[0].num_samples)
+        if any(
+            loaders[0].sample_start(int(i)) <= split_pos < loaders[0].sample_start(int(i)) + S
+            for i in loaders[0].step_indices(step)
+        )
+    )
+    stopped = []
+    for lo in loaders:
+        with pytest.raises(DataError) as e:
+            for _ in range(holder * lo.micro_batches_per_step + lo.micro_batches_per_step):
+                assert int(lo.next_batch().tokens.max()) < vocab
+        stopped.append((lo.step, str(e.value)))
+    assert stopped[0] == stopped[1] and stopped[0][0] == holder  # every rank, the same step and line
+    line = stopped[0][1]
+    assert "\n" not in line
+    assert line.startswith(f"corrupt shard {sampled_copy / shard}: token id {vocab + 9} at position {where} ")
+    assert f"lmsys-prepare data.dir={sampled_copy} data.overwrite=true" in line
+
+
+def test_validation_is_checked_before_the_first_evaluation(sampled_copy):
+    from lmsys.data.tokenizer import Tokenizer
+
+    vocab = Tokenizer(sampled_copy / "tokenizer.model").vocab_size
+    shard, where, _ = _poison(sampled_copy, "val", vocab)
+    lo = loader(PreparedData(sampled_copy))
+    lo.next_batch()  # training data is fine
+    with pytest.raises(
+        DataError, match=rf"corrupt shard {sampled_copy / shard}: token id {vocab} at position {where} "
+    ):
+        lo.val_batches(1)
+
+
+def test_a_resume_on_other_tokens_is_refused(data, prepared, tmp_path):
+    """Data prepared again with the same tokenizer and as many sequences (here: two ids swapped,
+    the manifest updated as lmsys-prepare would write it) is other data: the loader's saved state
+    refuses it in one line; a state saved before loaders recorded the split's digest still loads."""
+    import shutil
+
+    from lmsys.core.files import sha256_file
+
+    saved = loader(data).state_dict()
+    other = shutil.copytree(prepared, tmp_path / "again")
+    manifest = json.loads((other / "manifest.json").read_text())
+    shard = manifest["shards"][0]
+    ids = np.fromfile(other / shard["file"], dtype="<u2")
+    i = int(np.flatnonzero(ids[:-1] != ids[1:])[0])
+    ids[[i, i + 1]] = ids[[i + 1, i]]
+    ids.tofile(other / shard["file"])
+    shard["sha256"] = sha256_file(other / shard["file"])
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    moved = loader(PreparedData(other))
+    with pytest.raises(
+        DataError, match="saved split_sha256 is .* data.dir holds other tokens than the run trained on"
+    ):
+        moved.load_state_dict(saved)
+    del saved["split_sha256"]
+    moved.load_state_dict(saved)

@@ -252,3 +252,26 @@ def test_large_data_is_checked_on_a_sample(copy, monkeypatch):
     ids.tofile(shard)
     with pytest.raises(DataError, match=rf"corrupt shard {shard}: token id 65535 at position 1"):
         PreparedData(copy)
+
+
+def _corrupt_mid_shard(directory: Path, shard_index: int = 0, value: int = VOCAB + 3) -> tuple[Path, int]:
+    """An id past the vocabulary in the middle of a shard, away from its first and last blocks."""
+    shard = directory / read_manifest(directory)["shards"][shard_index]["file"]
+    ids = np.fromfile(shard, dtype="<u2")
+    where = len(ids) // 2 + 17
+    ids[where] = value
+    ids.tofile(shard)
+    return shard, where
+
+
+def test_ids_between_the_samples_are_found_by_the_id_check(copy, monkeypatch):
+    """Above the checksum limit (lowered here), every id is still checked when the data is opened,
+    by a vectorised max over the memory-mapped shards: an id between the sampled blocks is named."""
+    from lmsys.data import integrity
+
+    monkeypatch.setattr(integrity, "BLOCK_TOKENS", 64)
+    monkeypatch.setattr(integrity, "SAMPLE_BYTES", 0)  # two blocks per shard: its first and last
+    shard, where = _corrupt_mid_shard(copy)
+    PreparedData(copy, full_check_bytes=0, id_check_bytes=0)  # the sample misses it
+    with pytest.raises(DataError, match=rf"corrupt shard {shard}: token id {VOCAB + 3} at position {where} "):
+        PreparedData(copy, full_check_bytes=0)  # ids checked in full, no checksum

@@ -32,7 +32,7 @@ def main() -> None:
     from safetensors.torch import save_file
 
     from lmsys.core.config import compose, config_to_dict
-    from lmsys.core.runtime import batch_plan, resolve_precision
+    from lmsys.core.runtime import resolve_precision, split_batch
     from lmsys.data.tokenizer import Tokenizer
     from lmsys.engine import checkpoint as ckpt
     from lmsys.engine import zero as eng
@@ -52,7 +52,7 @@ def main() -> None:
                 *overrides,
             ]
         )
-        plan = batch_plan(cfg, world)
+        plan = split_batch(cfg, world)
         precision = resolve_precision(cfg.deepspeed.precision, device)
         torch.manual_seed(cfg.trainer.seed)
         model = Transformer(cfg.model)

@@ -11,8 +11,8 @@ import shutil
 import pytest
 
 from lmsys.core.errors import CheckpointError
+from lmsys.core.rundir import CHECKPOINTS
 from lmsys.engine import checkpoint as ckpt
-from lmsys.engine.rundir import CHECKPOINTS
 from lmsys.export import main
 from lmsys.interop.exports import export_checkpoint, load_model
 from tests.export.conftest import TRAIN_STEPS

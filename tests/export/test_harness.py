@@ -317,3 +317,42 @@ def test_the_lm_eval_executable_finds_lmsys_where_lm_eval_loads_plugins(tmp_path
             "--include_path", str(tasks), "--limit", "4"]  # fmt: skip
     proc = subprocess.run([executable, *args], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "lmsys_test_mc" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_lm_evals_argument_mistakes_are_one_line(random_export, capfd):
+    """An unknown task given to lm_eval's own command line: one line with the names' hint, exit 2,
+    never lm_eval's traceback; its other argument errors (an unknown model) alike."""
+    from lmsys.harness import lm_eval_error, main
+
+    assert main(["--model", "lmsys", "--model_args", f"path={random_export}", "--tasks", "no_such_task"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err == [
+        "lmsys-harness: error: lm_eval: Tasks not found: no_such_task; `python -m lmsys.harness ls tasks` "
+        "lists them, and --include_path DIR adds the tasks of your own YAML files"
+    ], err
+    found = "Attempted to load model 'lmsys2', but no model for this name found!"
+    unknown = ValueError(f"{found} Supported model names: anthropic-chat,\n dummy, hf, lmsys")
+    assert lm_eval_error(unknown) == (
+        "lm_eval: Attempted to load model 'lmsys2', but no model for this name found; lmsys exports and "
+        "checkpoints run as --model lmsys"
+    )
+
+
+def test_the_results_table_has_lm_evals_headers():
+    """lm_eval's results table as both commands print it: its own column names (pytablewriter
+    0.38 printed `| A | B | C |...` instead)."""
+    from lmsys.inference.harness import results_table
+
+    results = {
+        "results": {"my_task": {"alias": "my_task", "acc,none": 0.5, "acc_stderr,none": 0.1}},
+        "versions": {"my_task": 1.0},
+        "n-shot": {"my_task": 0},
+        "higher_is_better": {"my_task": {"acc": True}},
+    }
+    header, rule, row = results_table(results).strip().splitlines()
+    assert [cell.strip() for cell in header.strip("|").split("|")] == [
+        "Tasks", "Version", "Filter", "n-shot", "Metric", "", "Value", "", "Stderr"
+    ]  # fmt: skip
+    assert [cell.strip() for cell in row.strip("|").split("|")] == [
+        "my_task", "1", "none", "0", "acc", "↑", "0.5", "±", "0.1"
+    ]  # fmt: skip

@@ -104,9 +104,9 @@ class _RunsCode:
 @pytest.fixture(scope="module")
 def cli(tmp_path_factory, hf_gpt2_dir, gpt2_import, tokenizer_path) -> dict:
     root = tmp_path_factory.mktemp("import_cli")
-    llama = root / "llama"
-    llama.mkdir()
-    (llama / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    gemma = root / "gemma"
+    gemma.mkdir()
+    (gemma / "config.json").write_text(json.dumps({"model_type": "gemma", "hidden_size": 8}))
     no_weights = root / "no_weights"
     no_weights.mkdir()
     shutil.copyfile(hf_gpt2_dir / "config.json", no_weights / "config.json")
@@ -119,7 +119,7 @@ def cli(tmp_path_factory, hf_gpt2_dir, gpt2_import, tokenizer_path) -> dict:
             "ok": ["lmsys.hf_import", str(hf_gpt2_dir), f"out={root / 'imported'}"],
             "help": ["lmsys.hf_import", "--help"],
             "missing": ["lmsys.hf_import", str(root / "nope"), f"out={root / 'o1'}"],
-            "llama": ["lmsys.hf_import", str(llama), f"out={root / 'o2'}"],
+            "gemma": ["lmsys.hf_import", str(gemma), f"out={root / 'o2'}"],
             "no-weights": ["lmsys.hf_import", str(no_weights), f"out={root / 'o3'}"],
             "unsafe": ["lmsys.hf_import", str(unsafe), f"out={root / 'o4'}"],
             "tokenizer-size": [
@@ -148,7 +148,7 @@ def test_the_command(cli):
 @pytest.mark.parametrize(
     "case, fragments",
     [("missing", ["is not a directory"]),
-     ("llama", ["has model_type 'llama'; lmsys reads GPT-2 checkpoints"]),
+     ("gemma", ["has model_type 'gemma'; lmsys reads checkpoints of model_type gpt2, llama, qwen2"]),
      ("no-weights", ["holds no weights (looked for model.safetensors"]),
      ("unsafe", ["cannot be read safely: torch.load(weights_only=True) refused it", "never code"]),
      ("tokenizer-size", ["has 512 pieces, model.vocab_size=384"]),

@@ -53,7 +53,7 @@ def test_sbatch_preempted_saves_its_step_and_requeues(slurm, tiny, one_node, tmp
     job = slurm.sbatch(
         ["--ntasks=2", "--time=30", f"--output={tmp_path}/slurm-%j.out", f"--chdir={REPO_ROOT}"],
         SBATCH,
-        [*tiny, "trainer.debug_step_delay_s=1"],  # a second between steps: the signal comes mid-run
+        [*tiny, "debug.step_delay_s=1"],  # a second between steps: the signal comes mid-run
         env,
     )
     log_path = tmp_path / f"slurm-{job}.out"
@@ -100,7 +100,7 @@ def test_sbatch_sweep_continues_after_a_requeue(slurm, tiny, one_node, tmp_path)
     job = slurm.sbatch(
         ["--ntasks=2", "--time=30", f"--output={tmp_path}/slurm-%j.out", f"--chdir={REPO_ROOT}"],
         SBATCH,
-        [*tiny, "optim.lr=3e-3,1e-3", "trainer.debug_step_delay_s=1"],
+        [*tiny, "optim.lr=3e-3,1e-3", "debug.step_delay_s=1"],
         env,
     )
     log_path = tmp_path / f"slurm-{job}.out"

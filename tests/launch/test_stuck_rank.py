@@ -14,6 +14,7 @@ import pytest
 
 from lmsys.core.config import compose
 from lmsys.core.errors import EXIT_STUCK_RANK, ConfigError
+from lmsys.engine.runlock import LOCK_FILE
 from lmsys.training.watchdog import Position, decide, describe
 from tests.launch.conftest import MAX_STEPS, child_env, launcher, losses
 
@@ -41,7 +42,7 @@ def test_a_stuck_rank_ends_the_job_named_and_the_run_resumes(tiny, tmp_path):
     for how, run_dir in runs.items():  # both at once: their start-up overlaps
         command = launcher(
             "--nproc", "2", "--", *tiny, f"trainer.run_dir={run_dir}", f"trainer.hang_timeout_s={HANG_S}",
-            f"trainer.debug_hang_step={HANG_STEP}", f"trainer.debug_hang_how={how}",
+            f"debug.hang_step={HANG_STEP}", f"debug.hang_how={how}",
         )  # fmt: skip
         started[how] = subprocess.Popen(
             command, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -66,6 +67,7 @@ def test_a_stuck_rank_ends_the_job_named_and_the_run_resumes(tiny, tmp_path):
         if how == "sleep":
             assert "in before_step" in (diagnostics / "hang-rank-1.txt").read_text()  # faults.py's sleep
         assert sorted(losses(run_dir)) == list(range(1, HANG_STEP))
+        assert (run_dir / LOCK_FILE).read_text() == ""  # rank 0 released its lock on the way out
         hung_since = (run_dir / "checkpoints" / "step_0000003").stat().st_mtime
         took = ended - hung_since
         assert took < HANG_S + 30, f"{how}: the job ended {took:.0f} s after the hang"
@@ -80,6 +82,7 @@ def test_a_stuck_rank_ends_the_job_named_and_the_run_resumes(tiny, tmp_path):
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "(step 3)" in resumed.stdout, resumed.stdout
+    assert "took over the lock" not in resumed.stderr  # nothing was left to take over
     assert sorted(losses(run_dir)) == list(range(1, MAX_STEPS + 1))
 
 

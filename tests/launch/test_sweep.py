@@ -6,6 +6,7 @@ W&B run in the sweep's group) and summarizes; `lmsys-train -m` does the same in 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import signal
 import subprocess
@@ -32,7 +33,7 @@ from tests.launch.conftest import (
 
 def wandb_groups(run_dir: Path) -> list[str]:
     """The W&B group of every offline run under run_dir/wandb."""
-    from lmsys.training.metrics import wandb_records
+    from tests.wandb_files import wandb_records
 
     groups = []
     for path in sorted(run_dir.glob("wandb/*run-*/run-*.wandb")):
@@ -76,6 +77,18 @@ def test_expansion_is_hydras_cartesian_product():
             "sweep job 1 (model.vocab_size=1024)",
         ),
         (["--nnodes", "2"], ["optim.lr=1e-3,3e-4"], "need a rendezvous endpoint"),
+        # a baseline no job has: found before any job runs, in --dry-run too
+        (
+            ["--nproc", "1", "--baseline", "optim.lr=0.5"],
+            ["data.dir={data}", "model.vocab_size=512", "optim.lr=1e-3,3e-3", "trainer.seed=1,2"],
+            "no sweep job has optim.lr=0.5 (the baseline optim.lr=0.5); the jobs have optim.lr=0.001, 0.003",
+        ),
+        (
+            ["--dry-run", "--nproc", "1", "--baseline", "optim=sgd"],
+            ["data.dir={data}", "model.vocab_size=512", "optim=adamw,muon", "optim.grad_clip=0"],
+            "no sweep job has optim.name=sgd (the baseline optim=sgd); the jobs have optim.name=adamw, muon",
+        ),
+        (["--dry-run", "--baseline", "adamw"], ["optim.lr=1e-3,3e-4"], "a baseline is KEY=VALUE"),
         (
             ["--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1"],
             ["optim.lr=1e-3"],
@@ -147,6 +160,10 @@ def test_multirun_world_size():
         (["optim.lrr=1e-3,3e-4"], "optim.lrr"),
         # one process per job: 1536 / 128 = 12 sequences do not divide by micro-batches of 8
         (["trainer.global_batch_tokens=8192,1536"], "sweep job 1 (trainer.global_batch_tokens=1536)"),
+        (
+            ["optim.lr=1e-3,3e-3", 'hydra.callbacks.sweep_summary.baseline="optim.lr=0.01"'],
+            "no sweep job has optim.lr=0.01 (the baseline optim.lr=0.01)",
+        ),
     ],
 )
 def test_lmsys_train_multirun_rejects_a_bad_sweep_in_one_line(tmp_path, overrides, needle):
@@ -206,6 +223,33 @@ def test_summarize_cli_table_csv_and_png(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+@pytest.mark.parametrize("seeds", [1, 2], ids=["jobs", "seed-groups"])
+def test_sweep_plots_tick_whole_steps(tmp_path, monkeypatch, seeds):
+    """Runs of 3 steps: both kinds of losses.png mark whole optimizer steps only, never 1.25."""
+    from matplotlib.figure import Figure
+
+    from lmsys.sweep.summary import summarize
+
+    ticks: list[list[float]] = []
+    save = Figure.savefig
+
+    def recording(self, *args, **kwargs):
+        self.canvas.draw()
+        ticks.extend(list(ax.get_xticks()) for ax in self.axes)
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", recording)
+    for num in range(2 * seeds):
+        _fake_job(tmp_path, num, 1e-3 if num % 2 else 3e-4, "tiny", [6.0, 5.5, 5.2], [5.3])
+        if seeds == 2:  # jobs 0, 1 and 2, 3 repeat a configuration with another seed
+            config = yaml.safe_load((tmp_path / str(num) / "config.yaml").read_text())
+            config["trainer"]["seed"] = 1 + num // 2
+            (tmp_path / str(num) / "config.yaml").write_text(yaml.safe_dump(config))
+    summarize(tmp_path, out=io.StringIO())
+    assert len(ticks) == 2 and all(ticks), ticks
+    assert all(float(t).is_integer() for axis in ticks for t in axis), ticks
+
+
 def test_summarize_cli_errors_are_one_line(tmp_path):
     proc = run([sys.executable, "-m", "lmsys.sweep", "summarize", str(tmp_path / "missing")], timeout=60)
     assert proc.returncode == 2
@@ -243,7 +287,7 @@ def test_launch_sweep_runs_each_job_as_a_two_process_torchrun(tiny, one_node, tm
     to the uninterrupted losses, then runs job 1."""
     sweep_dir = tmp_path / "lr-sweep"
     command = [sys.executable, "-m", "launch.sweep", "--nproc", "2", "--sweep-dir", str(sweep_dir), "--"]
-    overrides = [*tiny, "logger=wandb_offline", "optim.lr=3e-3,1e-3", "trainer.debug_step_delay_s=0.5"]
+    overrides = [*tiny, "logger=wandb_offline", "optim.lr=3e-3,1e-3", "debug.step_delay_s=0.5"]
     stopped = preempt_during_first_job([*command, *overrides], sweep_dir)
     proc = run([*command, *overrides], timeout=400, env=child_env())
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -361,7 +405,7 @@ def test_lmsys_train_multirun_under_torchrun_has_one_sweep_dir(tiny, tmp_path):
     clocks straddle a second; the test above checks the agreement itself.)"""
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     command = [torchrun, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "--monitor-interval=0.5"]
-    command += ["-m", "lmsys.train", "-m", *tiny, "trainer.debug_crash_at_step=4", "optim.lr=3e-3,1e-3"]
+    command += ["-m", "lmsys.train", "-m", *tiny, "debug.crash_at_step=4", "optim.lr=3e-3,1e-3"]
     proc = run(command, timeout=400, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "rank 1 exits at step 4" in proc.stdout and "step_0000003 (step 3)" in proc.stdout

@@ -5,6 +5,7 @@ checkpoint; a silent endpoint, a lonely node 0 and a wrong node count fail fast 
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import time
 
 import pytest
 
-from launch.torchrun import LaunchError, build_parser, make_plan
+from launch.torchrun import LaunchError, build_parser, job_layout
 from tests.launch.conftest import (
     MAX_STEPS,
     REPO_ROOT,
@@ -29,16 +30,16 @@ from tests.launch.conftest import (
 RTOL = 1e-6
 
 
-def plan(argv: list[str], env: dict[str, str]):
+def layout(argv: list[str], env: dict[str, str]):
     args: argparse.Namespace = build_parser().parse_args(argv)
-    return make_plan(args, {"CUDA_VISIBLE_DEVICES": "", **env})
+    return job_layout(args, {"CUDA_VISIBLE_DEVICES": "", **env})
 
 
 # ----------------------------------------------------------------------------- decisions (no processes)
 
 
 def test_one_node_is_standalone_with_two_cpu_processes():
-    p = plan(["--", "model=tiny"], {})
+    p = layout(["--", "model=tiny"], {})
     assert (p.nproc, p.nnodes, p.endpoint) == (2, 1, None)
     args = p.torchrun_args(["model=tiny"])
     assert "--standalone" in args and "--nproc-per-node=2" in args
@@ -46,38 +47,38 @@ def test_one_node_is_standalone_with_two_cpu_processes():
 
 
 def test_workers_get_sigusr1_and_time_to_save():
-    args = plan([], {}).torchrun_args([])
+    args = layout([], {}).torchrun_args([])
     assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in args  # SLURM's time-limit warning
     assert "--shutdown-timeout=300" in args
-    given = plan(["--shutdown-timeout", "60"], {"SHUTDOWN_TIMEOUT": "90"})  # the option wins
+    given = layout(["--shutdown-timeout", "60"], {"SHUTDOWN_TIMEOUT": "90"})  # the option wins
     assert "--shutdown-timeout=60" in given.torchrun_args([])
-    assert "--shutdown-timeout=90" in plan([], {"SHUTDOWN_TIMEOUT": "90"}).torchrun_args([])
+    assert "--shutdown-timeout=90" in layout([], {"SHUTDOWN_TIMEOUT": "90"}).torchrun_args([])
     with pytest.raises(LaunchError, match="SHUTDOWN_TIMEOUT=0 must be >= 1"):
-        plan([], {"SHUTDOWN_TIMEOUT": "0"})
+        layout([], {"SHUTDOWN_TIMEOUT": "0"})
 
 
 def test_nproc_from_argument_env_and_slurm_gpus():
-    assert plan(["--nproc", "3"], {"NPROC": "5"}).nproc == 3
-    assert plan([], {"NPROC": "5"}).nproc == 5
-    assert plan([], {"SLURM_GPUS_ON_NODE": "8"}).nproc == 8
-    assert plan([], {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}).nproc == 4
+    assert layout(["--nproc", "3"], {"NPROC": "5"}).nproc == 3
+    assert layout([], {"NPROC": "5"}).nproc == 5
+    assert layout([], {"SLURM_GPUS_ON_NODE": "8"}).nproc == 8
+    assert layout([], {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}).nproc == 4
 
 
 def test_many_nodes_from_master_addr_and_port():
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555", "NNODES": "2", "NODE_RANK": "1"}
-    p = plan(["--nproc", "1"], env)
+    p = layout(["--nproc", "1"], env)
     assert (p.nnodes, p.node_rank, p.endpoint, p.hosts_store) == (2, 1, "127.0.0.1:29555", False)
     args = p.torchrun_args([])
     assert "--rdzv-backend=c10d" in args and "--nnodes=2" in args
     assert any(a.startswith("--rdzv-conf=join_timeout=") and "is_host=false" in a for a in args)
-    assert p.rdzv_id == plan(["--nproc", "1"], {**env, "NODE_RANK": "0"}).rdzv_id  # same id on every node
-    assert plan(["--nproc", "1"], {**env, "NODE_RANK": "0"}).hosts_store is True
+    assert p.rdzv_id == layout(["--nproc", "1"], {**env, "NODE_RANK": "0"}).rdzv_id  # same id on every node
+    assert layout(["--nproc", "1"], {**env, "NODE_RANK": "0"}).hosts_store is True
 
 
 def test_rdzv_endpoint_wins_over_master_addr():
     env = {"RDZV_ENDPOINT": "10.1.2.3:1234", "MASTER_ADDR": "127.0.0.1", "NNODES": "2", "NODE_RANK": "1"}
-    assert plan([], env).endpoint == "10.1.2.3:1234"
-    assert plan(["--rdzv-endpoint", "10.9.9.9"], env).endpoint == "10.9.9.9:29400"
+    assert layout([], env).endpoint == "10.1.2.3:1234"
+    assert layout(["--rdzv-endpoint", "10.9.9.9"], env).endpoint == "10.9.9.9:29400"
 
 
 def test_slurm_allocation_gives_nodes_rank_and_id():
@@ -89,7 +90,7 @@ def test_slurm_allocation_gives_nodes_rank_and_id():
         "SLURM_STEP_NUM_TASKS": "4",
         "SLURM_GPUS_ON_NODE": "8",
     }
-    p = plan(["--rdzv-endpoint", "node001:29400"], env)
+    p = layout(["--rdzv-endpoint", "node001:29400"], env)
     assert (p.nnodes, p.node_rank, p.nproc, p.rdzv_id, p.hosts_store) == (4, 2, 8, "4242", False)
 
 
@@ -125,7 +126,7 @@ def test_slurm_allocation_gives_nodes_rank_and_id():
 )
 def test_bad_input_is_a_launch_error(argv, env, message):
     with pytest.raises(LaunchError, match=message):
-        plan(argv, env)
+        layout(argv, env)
 
 
 def test_node_count_mismatch_is_one_line_exit_2():
@@ -253,12 +254,12 @@ def test_two_nodes_train_like_one_node(one_node, tiny, tmp_path):
 
 @pytest.mark.slow
 def test_elastic_restart_resumes_from_the_checkpoint(one_node, tiny, tmp_path):
-    """The last rank exits at step 4 on the first attempt (trainer.debug_crash_at_step); torchrun
+    """The last rank exits at step 4 on the first attempt (debug.crash_at_step); torchrun
     restarts the group (--max-restarts 1) and trainer.resume=auto continues from step 3."""
     run_dir = tmp_path / "run"
     proc = run(
         launcher("--nproc", "2", "--max-restarts", "1", "--")
-        + [*tiny, f"trainer.run_dir={run_dir}", "trainer.debug_crash_at_step=4", "trainer.resume=auto"]
+        + [*tiny, f"trainer.run_dir={run_dir}", "debug.crash_at_step=4", "trainer.resume=auto"]
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "exits at step 4" in proc.stdout + proc.stderr
@@ -274,12 +275,85 @@ def test_elastic_restart_resumes_from_the_checkpoint(one_node, tiny, tmp_path):
 def test_worker_failure_without_restarts_is_reported(tiny, tmp_path):
     run_dir = tmp_path / "run"
     proc = run(
-        launcher("--nproc", "2", "--")
-        + [*tiny, f"trainer.run_dir={run_dir}", "trainer.debug_crash_at_step=2"]
+        launcher("--nproc", "2", "--") + [*tiny, f"trainer.run_dir={run_dir}", "debug.crash_at_step=2"]
     )
     assert proc.returncode == 13, proc.stderr[-3000:]
     assert proc.stderr.rstrip().splitlines()[-1].startswith("lmsys-launch: error: worker rank 1")
+    # the launcher's own line only: none of torch's log lines (`E1128 ... failed (exitcode: 13)`)
+    assert not re.search(r"^[EWI]\d{4} ", proc.stderr, re.M), proc.stderr
     assert max(losses(run_dir), default=0) <= 2  # the job stopped there
+
+
+def _raised_in_torch_distributed(message: str) -> RuntimeError:
+    """A RuntimeError whose traceback ends in torch.distributed's code, as a failed collective's does."""
+    code = compile(
+        f"def all_reduce():\n    raise RuntimeError({message!r})\n",
+        "torch/distributed/distributed_c10d.py",
+        "exec",
+    )
+    scope: dict = {}
+    exec(code, scope)
+    try:
+        scope["all_reduce"]()
+    except RuntimeError as exc:
+        return exc
+    raise AssertionError("not raised")
+
+
+def test_only_a_lost_peer_becomes_the_survivors_line(monkeypatch):
+    from lmsys.train import lost_peer
+
+    gone = _raised_in_torch_distributed(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:34718. This is typically caused by a remote worker crashing."
+    )
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert lost_peer(gone) == (
+        "rank 0: another rank left the job: all_reduce failed (Connection closed by peer [127.0.0.1]:34718); "
+        "the launcher's line names the rank that failed"
+    )
+    assert (
+        lost_peer(_raised_in_torch_distributed("Tensors must be contiguous")) is None
+    )  # a bug: its traceback
+    assert lost_peer(RuntimeError("Connection closed by peer")) is None  # not from a collective
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert lost_peer(gone) is None
+
+
+@pytest.mark.slow
+def test_a_killed_rank_leaves_one_line_of_the_survivor_and_one_of_the_launcher(tiny, tmp_path):
+    """kill -9 of rank 1 while both train: rank 0's collective fails; it says so in one line (no
+    traceback from gloo or DeepSpeed), and the launcher's line names the killed rank."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    overrides = [
+        *tiny,
+        f"trainer.run_dir={run_dir}",
+        "debug.step_delay_s=0.5",
+        "trainer.max_steps=1000",
+    ]
+    proc = subprocess.Popen(
+        launcher("--nproc", "2", "--", *overrides), cwd=REPO_ROOT, env=child_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while max(losses(run_dir), default=0) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        (rank1,) = [w for w in workers if w.environ().get("RANK") == "1"]
+        rank1.kill()
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGKILL, out[-3000:] + err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.strip() and ": warning: " not in ln]
+    assert len(lines) == 2, err
+    assert lines[0].startswith("lmsys-train: error: rank 0: another rank left the job: "), lines
+    assert lines[1] == f"lmsys-launch: error: worker rank 1 (pid {rank1.pid}) was killed by signal 9", lines
 
 
 @pytest.mark.slow
@@ -291,7 +365,7 @@ def test_sigterm_stops_the_ranks_after_one_step_with_its_checkpoint(one_node, ti
     run_dir = tmp_path / "run"
     overrides = [*tiny, f"trainer.run_dir={run_dir}"]
     proc = subprocess.Popen(
-        launcher("--nproc", "2", "--", *overrides, "trainer.debug_step_delay_s=1"),
+        launcher("--nproc", "2", "--", *overrides, "debug.step_delay_s=1"),
         cwd=REPO_ROOT,
         env=child_env(),
         stdout=subprocess.PIPE,
@@ -308,7 +382,7 @@ def test_sigterm_stops_the_ranks_after_one_step_with_its_checkpoint(one_node, ti
     stopped = max(losses(run_dir))
     assert at_signal >= 1 and stopped - at_signal in (1, 2), (at_signal, stopped)  # the step under way
     lines = [ln for ln in err.splitlines() if "preempted" in ln]
-    again = shlex.join([*tiny, "trainer.debug_step_delay_s=1", f"trainer.run_dir={run_dir}"])
+    again = shlex.join([*tiny, "debug.step_delay_s=1", f"trainer.run_dir={run_dir}"])
     assert lines == [
         f"lmsys-train: preempted (SIGTERM): saving step {stopped} ... saved {run_dir}/checkpoints/"
         f"step_{stopped:07d}; exit 75: requeue the job, or continue with: "

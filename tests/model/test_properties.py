@@ -227,7 +227,7 @@ def test_parameter_and_flops_helpers() -> None:
         (["model.ffn.activation=swishy"], "model.ffn.activation"),
         (["model.positions.kind=sinusoidal", "model.d_model=33", "model.n_heads=1"], "model.d_model"),
         (["model.d_model=wide"], "model.d_model"),
-        (["model.norm.formula=rms"], "model.norm.formula"),
+        (["model.norm.formula=l2"], "model.norm.formula"),
         (["model.block=sandwich"], "model.block"),
         (["model.kernels=cuda"], "model.kernels"),
         (["model.attention.scale=-1"], "model.attention.scale"),

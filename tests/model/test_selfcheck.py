@@ -1,5 +1,5 @@
 """The kernel self-check (lmsys/model/selfcheck.py) under the Triton CPU interpreter: the kernels
-match their references at a model's widths; a kernel broken on purpose (trainer.debug_break_kernel)
+match their references at a model's widths; a kernel broken on purpose (debug.break_kernel)
 is named with its error and tolerance, falls back to torch under model.kernels=auto and is an
 error under model.kernels=triton."""
 

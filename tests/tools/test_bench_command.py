@@ -14,7 +14,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def test_every_benchmark_is_one_name_and_the_default_is_make_bench():
     kernels = {"kernels", "attention", "layer_norm", "ce"}
-    assert set(COMMANDS) == kernels | {"train", "prepare", "generate", "plan", "ttl", "checkpoint"}
+    system = {"train", "prepare", "generate", "plan", "ttl", "checkpoint", "integrity"}
+    assert set(COMMANDS) == kernels | system
     assert DEFAULT == (["kernels"], ["train"])
     makefile = (REPO_ROOT / "Makefile").read_text()
     assert "\t$(PY) -m tools.bench\n" in makefile and "\t$(PY) -m tools.inspect $(INSPECT_ARGS)\n" in makefile

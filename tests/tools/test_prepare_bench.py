@@ -37,3 +37,14 @@ def test_bench_prepare_bad_option():
         "tools.bench prepare: error: unknown option 'size'; valid options: "
         "mb, scale, vocab, workers, sample_mb, keep"
     ]
+
+
+def test_the_integrity_benchmark_runs_small(capsys):
+    """`python -m tools.bench integrity`, 4 MB: every check timed, and the id check's ratio."""
+    from tools.bench.integrity import main
+
+    assert main(["mb=4"]) == 0
+    out = capsys.readouterr().out
+    for check in ("full check (sha256 + ids)", "id check", "sample"):
+        assert re.search(rf"{re.escape(check)} +warm: +[\d.]+ s +\d+ MB/s", out), out
+    assert re.search(r"id check / full check \(warm\): [\d.]+x the time", out), out

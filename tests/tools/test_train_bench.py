@@ -65,9 +65,9 @@ def test_gpu_path_builds_its_config_and_imports():
     """The CUDA path (gpt2_124m, T=1024, bf16, compile + SDPA) cannot run here; check that its
     configuration composes and its code imports."""
     from lmsys.core.config import compose
-    from lmsys.core.runtime import batch_plan
+    from lmsys.core.runtime import split_batch
     from tools.bench.train import GPU_DEFAULTS, PlainLoop  # noqa: F401
 
     cfg = compose(GPU_DEFAULTS)
-    plan = batch_plan(cfg, 1)
+    plan = split_batch(cfg, 1)
     assert cfg.model.name == "gpt2_124m" and plan.seq_len == 1024 and plan.grad_accum == 1

@@ -128,7 +128,7 @@ def kill9_when(
     Returns (run_dir, steps logged before the kill, pids of workers that outlived the launcher)."""
     import psutil
 
-    from lmsys.engine.rundir import read_metrics
+    from lmsys.core.rundir import read_metrics
 
     run_dir = root / "run"
     command = train_command(2, [*overrides, f"trainer.run_dir={run_dir}"])
@@ -159,7 +159,7 @@ def kill9_after_checkpoint(
     def committed(run_dir: Path) -> bool:
         return (run_dir / ckpt.CHECKPOINTS / ckpt.tag_for(step) / ckpt.MARKER).exists()
 
-    slowed = [*overrides, "trainer.debug_step_delay_s=1.0"]
+    slowed = [*overrides, "debug.step_delay_s=1.0"]
     return kill9_when(slowed, root, f"checkpoint {step}", committed)
 
 
@@ -173,7 +173,7 @@ class Run:
     overrides: list[str] = field(default_factory=list)
 
     def records(self, kind: str = "train") -> list[dict]:
-        from lmsys.engine.rundir import read_metrics
+        from lmsys.core.rundir import read_metrics
 
         return read_metrics(self.run_dir, kind)
 

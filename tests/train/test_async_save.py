@@ -1,7 +1,7 @@
 """Asynchronous checkpoint saves (trainer.async_save, the default; lmsys/engine/async_save.py), with
 real 2-rank runs:
 
-- kill -9 of the whole job while a save is being written (trainer.debug_save_delay_s holds it
+- kill -9 of the whole job while a save is being written (debug.save_delay_s holds it
   between its files and its commit): the half-written checkpoint never becomes visible; resumed,
   the run continues from the last committed one with the uninterrupted run's losses, passes over
   a damaged newer checkpoint (moved aside) and keeps trainer.keep_last intact ones;
@@ -35,7 +35,7 @@ WAIT_S = 240  # for a save to be in flight: the run starts and saves well within
 
 
 def checkpoint_rows(run_dir) -> list[dict]:
-    from lmsys.engine.rundir import read_metrics
+    from lmsys.core.rundir import read_metrics
 
     return read_metrics(run_dir, "checkpoint")
 
@@ -53,7 +53,7 @@ def test_kill9_during_a_save_resumes_from_the_last_committed_one(runs, tmp_path)
     then the job is killed while checkpoint 4 waits for its commit."""
     reference = runs.get("2proc-zero2").check()
     base = [*runs.overrides("2proc-zero2"), "logger=none"]
-    slow = ["trainer.debug_step_delay_s=1.0", "trainer.debug_save_delay_s=1.5"]
+    slow = ["debug.step_delay_s=1.0", "debug.save_delay_s=1.5"]
     what = "checkpoint 4 in flight"
     run_dir, _, survivors = kill9_when([*base, *slow], tmp_path, what, lambda d: in_flight(d, 4), WAIT_S)
     assert survivors == []
@@ -82,7 +82,7 @@ def test_kill9_during_a_save_resumes_from_the_last_committed_one(runs, tmp_path)
 def test_sigterm_while_a_save_is_pending_completes_it_and_exits_75(runs, tmp_path):
     run_dir = tmp_path / "run"
     overrides = [*runs.overrides("2proc-zero2"), "logger=none", f"trainer.run_dir={run_dir}"]
-    overrides += ["trainer.debug_step_delay_s=0.5", "trainer.debug_save_delay_s=3"]
+    overrides += ["debug.step_delay_s=0.5", "debug.save_delay_s=3"]
     command = [sys.executable, "-m", "launch.torchrun", "--nproc", "2", "--", *overrides]
     proc = start_job(command, tmp_path)
     wait_until(proc, "checkpoint 2 in flight", lambda: in_flight(run_dir, 2), WAIT_S)

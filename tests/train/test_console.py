@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from lmsys.core.config import OptimConfig
-from lmsys.core.console import Console, StepReport, duration
+from lmsys.core.console import Console, duration
+from lmsys.core.rundir import EvalRecord, TrainRecord
 from lmsys.engine.zero import lr_at
 from tests.train.conftest import MAX_STEPS, copy_run, run_train
 
@@ -23,9 +24,9 @@ STEP_LINE = re.compile(
 )
 
 
-def report(step: int, max_steps: int = 30, initial: int = 0) -> StepReport:
+def report(step: int, initial: int = 0) -> TrainRecord:
     """Step `step` of a launch that began after step `initial`, 2 s per step."""
-    return StepReport(step, max_steps, 2.5, 1e-3, 0.75, 1234.0, None, 2.0 * (step - initial), step - initial)
+    return TrainRecord(step, 2.5, 1e-3, 0.75, 1234.0, None, 2.0, 2.0 * (step - initial), 0.5, 256 * step)
 
 
 def test_log_file_gets_plain_lines_and_no_bar_frames(runs):
@@ -56,7 +57,7 @@ def test_plain_lines_every_console_interval(capsys):
     console = Console("lmsys-train", progress=True, interval=10, terminal=False)
     with console.progress(total=30, initial=4):
         for step in range(5, 31):
-            console.step_done(report(step, 30, initial=4))
+            console.step_done(report(step, initial=4))
     out, err = capsys.readouterr()
     assert [int(m.group(1)) for m in map(STEP_LINE.match, out.splitlines()) if m] == [5, 10, 20, 30]
     assert err == ""  # no bar
@@ -69,8 +70,8 @@ def test_terminal_shows_the_bar_with_the_fields(capsys):
     console = Console("lmsys-train", progress=True, interval=1, terminal=True)
     with console.progress(total=3, initial=0):
         for step in (1, 2, 3):
-            console.step_done(report(step, 3))
-        console.eval_done(3, 2.5, 2.25, "all 12 val sequences")
+            console.step_done(report(step))
+        console.eval_done(EvalRecord.of(3, 2.25), 2.5, "all 12 val sequences")
     out, err = capsys.readouterr()
     assert not any(STEP_LINE.match(line) for line in out.splitlines())  # the bar instead of lines
     assert "3/3" in err and "lr=1.00e-03" in err and "gnorm=0.75" in err and "tok_s=1,234" in err
@@ -87,7 +88,7 @@ def test_a_progress_false_terminal_gets_lines(capsys):
     console = Console("lmsys-train", progress=False, interval=2, terminal=True)
     with console.progress(total=4, initial=0):
         for step in range(1, 5):
-            console.step_done(report(step, 4))
+            console.step_done(report(step))
     out, err = capsys.readouterr()
     assert [int(m.group(1)) for m in map(STEP_LINE.match, out.splitlines()) if m] == [1, 2, 4]
     assert err == ""

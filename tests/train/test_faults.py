@@ -1,6 +1,6 @@
 """User mistakes and training faults: one clear line, a non-zero exit, nothing half-created.
 
-NaN/inf losses are injected with trainer.debug_nan_steps: the step is skipped with a warning
+NaN/inf losses are injected with debug.nan_steps: the step is skipped with a warning
 (its update discarded exactly: the next loss equals a plain loop's that never took the step)
 up to trainer.max_nan_skips times, then training stops with a clear error.
 """
@@ -20,7 +20,7 @@ def test_nan_steps_are_skipped_then_training_stops(runs, tmp_path):
         *runs.overrides("1proc"),
         "logger=none",
         "deepspeed=zero0",  # without ZeRO the skip is lmsys's own (ZeRO-2's: test_resume)
-        "trainer.debug_nan_steps=[2,4]",
+        "debug.nan_steps=[2,4]",
         "trainer.max_nan_skips=1",
         "trainer.save_interval=100",  # it stops before its first checkpoint
     ]

@@ -5,6 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+from lmsys.core.errors import ConfigError
 from tests.train.conftest import child_env
 
 
@@ -42,9 +45,9 @@ def test_help_and_a_refused_flag_answer_without_torch():
     assert proc.stdout.strip() == "(0, 2) []", proc.stdout + proc.stderr
 
     import lmsys.train
-    from lmsys.training import trainer
+    from lmsys.training import run
 
-    assert lmsys.train.PROG == trainer.PROG
+    assert lmsys.train.PROG == run.PROG
 
 
 def test_help_shows_the_values_the_overrides_give(tmp_path):
@@ -59,6 +62,30 @@ def test_a_misspelled_key_is_one_line_with_the_nearest_one(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         "lmsys-train: error: Key 'lrr' not in 'OptimConfig' (key: optim.lrr); did you mean optim.lr?"
     ]
+
+
+def test_a_fault_injection_key_under_trainer_names_its_debug_key(tmp_path):
+    """The debug.* keys spelled under trainer. (trainer.debug_<name>): one line naming debug.<name>,
+    for a plain run, a sweep's job, and through Hydra's own error (a key Hydra composes)."""
+    from omegaconf import OmegaConf
+
+    from lmsys.core.config import Config, compose, hydra_error_line
+
+    for args in (
+        ["trainer.debug_nan_steps=[3]"],
+        ["-m", "optim.lr=1e-3,3e-4", "trainer.debug_nan_steps=[3]"],
+    ):
+        proc = lmsys_train(*args, cwd=tmp_path)
+        (line,) = proc.stderr.strip().splitlines()  # a sweep's names the job: "sweep job 0 (...): ..."
+        assert proc.returncode == 2 and line.startswith("lmsys-train: error: "), proc.stderr
+        assert line.endswith("trainer.debug_nan_steps is now debug.nan_steps"), line
+    with pytest.raises(ConfigError, match="^trainer.debug_hang_how is now debug.hang_how$"):
+        compose(["+trainer.debug_hang_how=stop"])
+    with pytest.raises(Exception) as hydra_says:  # OmegaConf's own error, as Hydra's app meets it
+        OmegaConf.merge(OmegaConf.structured(Config), {"trainer": {"debug_replay_oom": []}})
+    assert hydra_error_line(hydra_says.value) == "trainer.debug_replay_oom is now debug.replay_oom"
+    assert compose(["debug.nan_steps=[3]", "debug.hang_how=stop"]).debug.nan_steps == [3]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_every_example_fits_the_default_data(tmp_path):

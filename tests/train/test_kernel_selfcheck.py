@@ -1,5 +1,5 @@
 """The kernel self-check in real training runs (1 process, the Triton CPU interpreter): a kernel
-broken on purpose (trainer.debug_break_kernel) falls back to torch with one warning under
+broken on purpose (debug.break_kernel) falls back to torch with one warning under
 model.kernels=auto (the fused loss, the one kernel a CPU run under auto uses) and the run trains;
 under model.kernels=triton it is one error line, exit 1, before any step."""
 
@@ -17,8 +17,8 @@ pytestmark = pytest.mark.slow
 def test_a_broken_kernel_falls_back_under_auto_and_stops_the_run_under_triton(runs, tmp_path):
     base = [*runs.overrides("1proc"), "trainer.max_steps=2", "model.loss_impl=fused"]
     cases = {
-        "auto": [*base, "trainer.debug_break_kernel=linear_cross_entropy"],
-        "triton": [*base, "model.kernels=triton", "trainer.debug_break_kernel=attention"],
+        "auto": [*base, "debug.break_kernel=linear_cross_entropy"],
+        "triton": [*base, "model.kernels=triton", "debug.break_kernel=attention"],
     }
     started = {
         name: subprocess.Popen(

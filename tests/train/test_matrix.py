@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 from lmsys.engine.zero import lr_at
-from lmsys.training.metrics import wandb_config, wandb_history
 from tests.train.conftest import CASES, MAX_STEPS, SEQ, run_train
 from tests.train.reference import plain_losses
+from tests.wandb_files import wandb_config, wandb_history
 
 pytestmark = pytest.mark.slow
 

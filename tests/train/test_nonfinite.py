@@ -1,6 +1,6 @@
 """A step that goes wrong, with real runs (DeepSpeed ZeRO-2, 2 ranks where the rank matters):
 
-- NaNs injected at a chosen module, pass, rank, step and micro-batch (trainer.debug_nonfinite_at)
+- NaNs injected at a chosen module, pass, rank, step and micro-batch (debug.nonfinite_at)
   are named exactly in <run>/diagnostics/nonfinite-step-N.json and in one line, with the data the
   micro-batch came from; a weight made NaN is named too, and the checkpoint after it is refused;
 - a real finite divergence (optim.lr=1) is reported with its largest-gradient modules, and with
@@ -8,7 +8,7 @@
 - trainer.on_nonfinite=rewind goes back to the last checkpoint, skips the step's data and
   finishes; a resume from a checkpoint older than the rewind skips the same data (its losses are
   the rewound run's, bitwise);
-- a replay that runs out of memory (a real allocation refused: trainer.debug_replay_oom) is
+- a replay that runs out of memory (a real allocation refused: debug.replay_oom) is
   reported, the run goes on; at ZeRO-3 a rank that cannot allocate its copy leaves no rank waiting
   in the gather.
 
@@ -49,18 +49,18 @@ def bad_runs(runs, tmp_path_factory) -> dict[str, Run]:
     launches = {
         "injected": _launch(runs, root, "injected", 2, [
             *TWO_RANKS,
-            "trainer.debug_nonfinite_at=[blocks.1.attn:backward:rank1:step3:micro1,"
+            "debug.nonfinite_at=[blocks.1.attn:backward:rank1:step3:micro1,"
             "blocks.0.ffn.out:weights:rank0:step5]",
         ]),
         "diverged": _launch(runs, root, "diverged", 1, ["optim.lr=1", "trainer.on_nonfinite=stop"]),
         "rewound": _launch(runs, root, "rewound", 2, [
             *TWO_RANKS, "trainer.on_nonfinite=rewind",
-            "trainer.debug_nonfinite_at=[blocks.1.ffn:forward:rank0:step4]",
+            "debug.nonfinite_at=[blocks.1.ffn:forward:rank0:step4]",
         ]),
         "short_of_memory": _launch(runs, root, "short_of_memory", 2, [
             "deepspeed=zero3", "trainer.micro_batch_size=2", "trainer.max_steps=5",
-            "trainer.debug_nonfinite_at=[blocks.1.attn:backward:rank0:step2,blocks.0.ffn:forward:rank1:step4]",
-            "trainer.debug_replay_oom=[copy:rank1:step2,replay:rank0:step4]",
+            "debug.nonfinite_at=[blocks.1.attn:backward:rank0:step2,blocks.0.ffn:forward:rank1:step4]",
+            "debug.replay_oom=[copy:rank1:step2,replay:rank0:step4]",
         ]),
     }  # fmt: skip
     done = {}
@@ -154,7 +154,7 @@ def test_rewind_skips_the_bad_data_and_a_resume_skips_it_too(bad_runs, runs):
             state = json.loads((run.run_dir / "checkpoints" / tag / f"rank_{rank:05d}.json").read_text())
             assert state["loader"]["skipped_steps"] == [3]
     # a resume from step 2 (saved before the rewind) learns the skip from skipped-data.json
-    overrides = [o for o in run.overrides if not o.startswith(("trainer.debug_", "trainer.run_dir="))]
+    overrides = [o for o in run.overrides if not o.startswith(("debug.", "trainer.run_dir="))]
     resume = f"trainer.resume={run.run_dir}/checkpoints/step_0000002"
     resumed = run_train("resumed", 2, [*overrides, resume], run.run_dir).check()
     assert "never training on the data of 1 step(s) a rewind skipped" in resumed.stdout

@@ -18,8 +18,8 @@ from lmsys.model.shapes import model_shapes
 from lmsys.model.transformer import Block, Transformer
 from lmsys.training import planning
 from lmsys.training.devices import device_spec
-from lmsys.training.metrics import TensorPeak, diagnoses_run, diagnosis
-from lmsys.training.planning import measured_peak_bytes, memory_line, plan_launch
+from lmsys.training.peak_memory import TensorPeak, diagnoses_run, diagnosis, measured_peak_bytes, memory_line
+from lmsys.training.planning import plan_launch
 from tests.train.conftest import COMMON, REPO_ROOT, SEQ, child_env, run_train
 
 SMALL = [o for o in COMMON if o.startswith("model.")] + [
@@ -365,7 +365,7 @@ def test_a_diagnosis_span_is_left_out_of_the_traced_peak():
 
 THREAD_FREED = """
 import json, threading, torch
-from lmsys.training.metrics import TensorPeak
+from lmsys.training.peak_memory import TensorPeak
 mib = 2**20
 trace = TensorPeak()
 kept = torch.empty(2 * mib)  # 8 MiB
@@ -402,7 +402,7 @@ def test_the_measured_peak_is_the_runs_own_not_its_launchers():
     """A run started by a large process (a notebook; this test session, 3 GB late in the suite):
     getrusage's ru_maxrss carries the launcher's peak across exec, VmHWM does not. The launcher
     here holds 600 MB; its child, which allocates nothing, must not report a peak near it."""
-    child = "from lmsys.training.metrics import peak_rss_bytes; print(peak_rss_bytes())"
+    child = "from lmsys.training.peak_memory import peak_rss_bytes; print(peak_rss_bytes())"
     launcher = (
         "import subprocess, sys\n"
         "held = bytearray(600 * 2**20)\n"

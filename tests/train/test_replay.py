@@ -1,8 +1,8 @@
-"""The parts of lmsys.training.health and lmsys.training.nonfinite that need no engine, on CPU in
+"""The parts of lmsys.training.health that need no engine, on CPU in
 seconds: when a loss counts as diverging, and the replay with hooks naming where a NaN first
 appears (a forward output, an input gradient on one micro-batch, a weight used outside every
-forward hook), on a real Transformer with the faults trainer.debug_nonfinite_at injects; a replay
-that runs out of memory (trainer.debug_replay_oom).
+forward hook), on a real Transformer with the faults debug.nonfinite_at injects; a replay
+that runs out of memory (debug.replay_oom).
 The same code in real 2-rank runs: test_nonfinite.py."""
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from lmsys.core.errors import ConfigError
 from lmsys.data.loader import Batch
 from lmsys.model.transformer import Transformer
 from lmsys.training.faults import Faults, NonfiniteInjection, refuse_allocation
-from lmsys.training.health import Health
-from lmsys.training.nonfinite import Finding, ReplayDidNotFit, out_of_memory, replay, replica
+from lmsys.training.health import Finding, Health, ReplayDidNotFit, out_of_memory, replay, replica
 
 SMALL = ["model.vocab_size=512", "model.d_model=32", "model.n_layers=2", "model.n_heads=2",
          "model.max_seq_len=32", "model.ffn.d_ff=64"]  # fmt: skip
@@ -93,15 +92,15 @@ def test_the_replay_names_the_first_module_and_pass():
 
 
 def test_a_replay_short_of_memory_is_a_refused_allocation_named_as_such():
-    """trainer.debug_replay_oom is a real allocation the CPU allocator refuses; `out_of_memory`
+    """debug.replay_oom is a real allocation the CPU allocator refuses; `out_of_memory`
     knows its error from others; a refused copy is ReplayDidNotFit; a refused first forward is
     the allocator's own error; each rank reads its own injections; a malformed one is one error."""
     cpu = torch.device("cpu")
     with pytest.raises(RuntimeError) as refused:
         refuse_allocation(cpu)
     assert out_of_memory(refused.value) and not out_of_memory(RuntimeError("size mismatch"))
-    cfg = compose([*SMALL, "trainer.debug_replay_oom=[copy:rank1:step3,replay:rank0:step5]"])
-    rank0, rank1 = (Faults.of(cfg.trainer, rank, world_size=2, restarts=0) for rank in (0, 1))
+    cfg = compose([*SMALL, "debug.replay_oom=[copy:rank1:step3,replay:rank0:step5]"])
+    rank0, rank1 = (Faults.of(cfg.debug, rank, world_size=2, restarts=0) for rank in (0, 1))
     assert (rank0.replay_oom, rank1.replay_oom) == ({("replay", 5)}, {("copy", 3)})
     model, batches = _model_and_batches()
     engine = SimpleNamespace(module=SimpleNamespace(model=model))
@@ -113,5 +112,5 @@ def test_a_replay_short_of_memory_is_a_refused_allocation_named_as_such():
     rank0.arm(copy, replay_step=5)
     with pytest.raises(RuntimeError, match="can't allocate memory"):
         replay(copy, batches, [0.5, 0.5], cpu, rank=0)
-    with pytest.raises(ConfigError, match=r"trainer.debug_replay_oom: 'copy:rank1' is not WHERE:rankR:stepS"):
-        compose([*SMALL, "trainer.debug_replay_oom=[copy:rank1]"])
+    with pytest.raises(ConfigError, match=r"debug.replay_oom: 'copy:rank1' is not WHERE:rankR:stepS"):
+        compose([*SMALL, "debug.replay_oom=[copy:rank1]"])

@@ -1,7 +1,7 @@
 """Resuming on another world size and ZeRO stage (lmsys/engine/reshard.py), with real runs:
 
 - 12 steps on 2 ranks at ZeRO-3, uninterrupted, against the same run stopped after step 6 (a
-  SIGTERM to one rank: trainer.debug_signal_at_step) and continued on 1 rank at ZeRO-2, and
+  SIGTERM to one rank: debug.signal_at_step) and continued on 1 rank at ZeRO-2, and
   against one stopped after step 6 on 1 rank at ZeRO-1 and continued on 2 ranks at ZeRO-3: the
   losses of steps 7-12 are the uninterrupted run's to 1e-5 relative;
 - ZeRO-0 state continued at ZeRO-3 and ZeRO-3 state at ZeRO-0, fp32 state in bf16 (the matrix's
@@ -59,7 +59,7 @@ def stopped_then_continued(runs, tmp_path, before: tuple[int, int], after: tuple
     run_dir = tmp_path / "run"
     base = [*runs.overrides("2proc-zero3"), *LONG, f"trainer.run_dir={run_dir}"]
     command = [sys.executable, "-m", "launch.torchrun", "--nproc", str(n1), "--"]
-    command += [*base, *layout(s1, n1), "trainer.debug_signal_at_step=6"]
+    command += [*base, *layout(s1, n1), "debug.signal_at_step=6"]
     first = subprocess.run(
         command, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300
     )

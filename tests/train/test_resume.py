@@ -83,7 +83,7 @@ def test_resume_after_kill9_reproduces_the_losses_exactly(runs, resumed_run):
 def test_resumed_wandb_run_holds_the_whole_history(resumed_run):
     """The killed attempt's W&B file lost what was not flushed; the resumed attempt's file (same
     run id) holds every step: the earlier ones replayed from metrics.jsonl, then its own."""
-    from lmsys.training.metrics import wandb_files, wandb_history
+    from tests.wandb_files import wandb_files, wandb_history
 
     run = resumed_run.check()
     files = wandb_files(run.run_dir)
@@ -142,7 +142,7 @@ def test_keep_last_counts_only_intact_checkpoints_and_moves_damaged_ones_aside(r
         victim.write_bytes(victim.read_bytes()[:1000])
     overrides = [o for o in runs.overrides("1proc") if not o.startswith("logger")] + ["logger=none"]
     overrides.append("trainer.keep_last=1")
-    stopped = run_train("stopped", 1, [*overrides, "trainer.debug_signal_at_step=5"], run_dir, cwd=tmp_path)
+    stopped = run_train("stopped", 1, [*overrides, "debug.signal_at_step=5"], run_dir, cwd=tmp_path)
     assert stopped.returncode == 75, stopped.stdout + stopped.stderr
     assert "step_0000004 (step 4)" in stopped.stdout
     assert sorted(p.name for p in root.glob("step_*")) == ["step_0000005"]
@@ -216,7 +216,7 @@ def test_dead_rank_ends_the_attempt_and_max_restarts_resumes(runs, tmp_path):
     Document boundaries are masked, so the ranks' loss-weight sums differ and the step's weighted
     mean needs the all-reduced total (without masking lmsys knows it without communicating)."""
     masked = [*runs.overrides("2proc-zero2"), "data.mask_doc_boundaries=true"]
-    overrides = [*masked, "trainer.debug_crash_at_step=3", "trainer.debug_nan_steps=[5]"]
+    overrides = [*masked, "debug.crash_at_step=3", "debug.nan_steps=[5]"]
     cmd = train_command(2, overrides, max_restarts=1)
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=400)
@@ -226,7 +226,7 @@ def test_dead_rank_ends_the_attempt_and_max_restarts_resumes(runs, tmp_path):
     assert "step_0000002 (step 2)" in proc.stdout
     run_dirs = [p for p in (tmp_path / "runs").iterdir()]
     assert len(run_dirs) == 1 and run_dirs[0].name.startswith("tiny-"), run_dirs
-    from lmsys.engine.rundir import read_metrics
+    from lmsys.core.rundir import read_metrics
 
     records = {r["step"]: r for r in read_metrics(run_dirs[0], "train")}
     assert sorted(records) == list(range(1, MAX_STEPS + 1))

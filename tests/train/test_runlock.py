@@ -37,7 +37,7 @@ def only_error_line(err: str) -> str:
 def test_a_second_launch_is_refused_and_a_killed_holders_lock_is_taken_over(runs, tmp_path):
     run_dir = tmp_path / "run"
     # the first run goes on (slowly) until it is killed, however long the second one takes to start
-    overrides = [*runs.overrides("1proc"), "logger=none", "trainer.debug_step_delay_s=0.5"]
+    overrides = [*runs.overrides("1proc"), "logger=none", "debug.step_delay_s=0.5"]
     overrides += ["trainer.max_steps=1000", f"trainer.run_dir={run_dir}"]
     first = Running(train_command(1, overrides), run_dir, tmp_path)
     first.wait_for("step 1", lambda: 1 in first.steps())

@@ -114,7 +114,7 @@ def test_ctrl_c_saves_the_step_in_one_line_and_exits_130(runs, tmp_path, nproc):
     case = "1proc" if nproc == 1 else "2proc-zero2"
     run_dir = tmp_path / "run"
     delay = 2 if nproc == 1 else 0.5  # 1 process: time to see the step still under way
-    overrides = [*runs.overrides(case), "logger=none", f"trainer.debug_step_delay_s={delay}"]
+    overrides = [*runs.overrides(case), "logger=none", f"debug.step_delay_s={delay}"]
     overrides.append(f"trainer.run_dir={run_dir}")
     if nproc == 1:
         command = train_command(1, overrides)
@@ -153,8 +153,8 @@ def test_ctrl_c_saves_the_step_in_one_line_and_exits_130(runs, tmp_path, nproc):
 
 def test_a_second_sigterm_during_the_save_changes_nothing(runs, tmp_path):
     run_dir = tmp_path / "run"
-    overrides = [*runs.overrides("1proc"), "logger=none", "trainer.debug_step_delay_s=0.5"]
-    overrides += ["trainer.save_interval=100", "trainer.debug_save_delay_s=2", f"trainer.run_dir={run_dir}"]
+    overrides = [*runs.overrides("1proc"), "logger=none", "debug.step_delay_s=0.5"]
+    overrides += ["trainer.save_interval=100", "debug.save_delay_s=2", f"trainer.run_dir={run_dir}"]
     job = Running(train_command(1, overrides), run_dir, tmp_path)
     job.wait_for("step 2", lambda: 2 in job.steps())
     job.proc.send_signal(signal.SIGTERM)
@@ -175,8 +175,8 @@ def test_a_second_sigterm_during_the_save_changes_nothing(runs, tmp_path):
 
 def test_a_second_ctrl_c_during_the_save_abandons_it_and_damages_nothing(runs, tmp_path):
     run_dir = tmp_path / "run"
-    overrides = [*runs.overrides("1proc"), "logger=none", "trainer.debug_step_delay_s=0.5"]
-    overrides += ["trainer.debug_save_delay_s=2", f"trainer.run_dir={run_dir}"]
+    overrides = [*runs.overrides("1proc"), "logger=none", "debug.step_delay_s=0.5"]
+    overrides += ["debug.save_delay_s=2", f"trainer.run_dir={run_dir}"]
     job = Watched(train_command(1, overrides), run_dir, tmp_path)
     job.wait_for("checkpoint 2", lambda: (run_dir / "checkpoints" / "step_0000002" / ckpt.MARKER).exists())
     job.signal_group(signal.SIGINT)

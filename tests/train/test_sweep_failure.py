@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 def test_a_failed_sweep_job_is_one_line_and_a_complete_summary_row(runs, tmp_path):
     sweep_dir = tmp_path / "sweep"
     overrides = [o for o in runs.overrides("1proc") if not o.startswith("trainer.max_steps")]
-    overrides += ["logger=none", "deepspeed=zero2", "trainer.max_steps=2", "trainer.debug_nan_steps=[1]"]
+    overrides += ["logger=none", "deepspeed=zero2", "trainer.max_steps=2", "debug.nan_steps=[1]"]
     command = [sys.executable, "-m", "lmsys.train", "-m", *overrides, "trainer.max_nan_skips=0,5"]
     proc = subprocess.run(
         [*command, f"hydra.sweep.dir={sweep_dir}"],

@@ -38,7 +38,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from lmsys.core.config import compose, config_to_dict
-    from lmsys.core.runtime import batch_plan, resolve_precision
+    from lmsys.core.runtime import resolve_precision, split_batch
     from lmsys.engine import checkpoint as ckpt
     from lmsys.engine import zero as eng
     from lmsys.model.transformer import Transformer
@@ -58,7 +58,7 @@ def main() -> None:
             f"trainer.global_batch_tokens={2 * 16 * world}",
         ]
     )
-    plan = batch_plan(cfg, world)
+    plan = split_batch(cfg, world)
     precision = resolve_precision(cfg.deepspeed.precision, device)
     torch.manual_seed(cfg.trainer.seed)
     engine, _, _ = eng.initialize(Transformer(cfg.model), cfg, plan, device, precision)

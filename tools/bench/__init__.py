@@ -11,6 +11,7 @@ pass/fail timings). `python -m tools.bench NAME [options]` (__main__.py) runs on
     plan         lmsys-plan's memory and step time against measured runs
     ttl          time to loss: Muon against AdamW over seeds
     checkpoint   the loop's stall per asynchronous save against a synchronous one
+    integrity    what opening prepared data costs, by check, against the full check
 
 `python -m tools.bench` alone runs `kernels`, then `train` (what `make bench` runs). Without CUDA
 the kernels run in Triton's CPU interpreter (chosen before triton is imported): their timings only

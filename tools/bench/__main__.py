@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, list[str]]] = {
     "plan": ("tools.bench.plan", []),
     "ttl": ("tools.bench.ttl", []),
     "checkpoint": ("tools.bench.checkpoint", []),
+    "integrity": ("tools.bench.integrity", []),
 }
 # What `python -m tools.bench` alone runs (make bench), each in a process of its own: the kernel
 # table runs the kernels in Triton's interpreter on a CPU, which must not carry over to training.

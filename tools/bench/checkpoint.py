@@ -35,7 +35,7 @@ from typing import Any
 
 from lmsys.cli import Option, parse_options, run_cli
 from lmsys.core.errors import UsageError
-from lmsys.engine.rundir import read_metrics
+from lmsys.core.rundir import read_metrics
 from tools.bench.train import write_synthetic_data
 
 PROG = "tools.bench checkpoint"

@@ -33,7 +33,7 @@ from lmsys.inference.generation import Sampling, generate_batch, generate_one
 from lmsys.model.compiling import compile_module, compile_stats
 from lmsys.model.ops import prepare_kernels
 from lmsys.model.transformer import Transformer
-from lmsys.training.metrics import device_name
+from lmsys.training.devices import device_name
 
 PROG = "tools.bench generate"
 

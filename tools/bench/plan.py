@@ -35,7 +35,7 @@ from typing import Any
 
 from lmsys.cli import Option, parse_options, run_cli
 from lmsys.core.config import compose
-from lmsys.engine.rundir import read_metrics
+from lmsys.core.rundir import read_metrics
 from lmsys.training.devices import cpu_device, cpu_flops, device_spec
 from lmsys.training.planning import cpu_overhead_s, mib, plan_launch
 from tools.bench.train import write_synthetic_data

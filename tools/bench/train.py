@@ -54,15 +54,15 @@ from lmsys.cli import Option, parse_options, run_cli
 from lmsys.core.config import compose, validate
 from lmsys.core.errors import UsageError
 from lmsys.core.files import sha256_file
-from lmsys.core.runtime import batch_plan, resolve_device, resolve_precision, seed_everything
+from lmsys.core.runtime import resolve_device, resolve_precision, seed_everything, split_batch
 from lmsys.data.loader import TokenLoader
 from lmsys.data.shards import PreparedData, ShardWriter, token_dtype, write_manifest
 from lmsys.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, SENTENCEPIECE_FILE, UNK_ID
 from lmsys.engine.zero import lr_at, param_groups
 from lmsys.model.ops import prepare_kernels
 from lmsys.model.transformer import Transformer
-from lmsys.training.metrics import device_name, device_peak_flops, mfu
-from lmsys.training.trainer import train
+from lmsys.training.devices import device_name, device_peak_flops, mfu
+from lmsys.training.run import train
 
 PROG = "tools.bench train"
 OPTIONS = [
@@ -170,7 +170,7 @@ class PlainLoop:
 
     def __init__(self, cfg: Any, device: torch.device, *, compiled: bool = False) -> None:
         self.cfg, self.device = cfg, device
-        self.plan = batch_plan(cfg, 1)
+        self.plan = split_batch(cfg, 1)
         seed_everything(cfg.trainer.seed)
         model_cfg = replace(cfg.model, kernels="torch") if compiled else cfg.model
         self.model = Transformer(model_cfg).to(device)
@@ -257,7 +257,7 @@ def bench_config(opts: dict[str, Any], overrides: list[str], scratch: Path, devi
     cfg = compose([*base, *overrides])
     total = opts["warmup"] + opts["steps"] + 1
     if opts["data"] == "synthetic":
-        plan = batch_plan(cfg, 1)
+        plan = split_batch(cfg, 1)
         # enough samples for every step of both loops without wrapping into a second epoch
         tokens = (total + 4) * plan.global_batch_sequences * plan.tokens_per_sample
         data_dir = write_synthetic_data(scratch / "data", cfg.model.vocab_size, tokens)
@@ -296,7 +296,7 @@ def run(opts: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tools-bench-train-") as tmp:
         cfg = bench_config(opts, overrides, Path(tmp), device)
         prepare_kernels(cfg.model.kernels, device)  # before DeepSpeed imports triton
-        plan = batch_plan(cfg, 1)
+        plan = split_batch(cfg, 1)
         precision = resolve_precision(cfg.deepspeed.precision, device)
         plain = PlainLoop(cfg, device)
         n_params = plain.model.num_parameters()

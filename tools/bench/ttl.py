@@ -28,7 +28,7 @@ from typing import Any
 
 from lmsys.cli import Option, parse_options, run_cli
 from lmsys.core.errors import DataError
-from lmsys.engine.rundir import read_metrics
+from lmsys.core.rundir import read_metrics
 from lmsys.sweep.stats import Spread
 from lmsys.sweep.summary import Job, find_jobs
 
