@@ -328,7 +328,7 @@ class EncoderPool:
     Threads, not processes: SentencePiece (and `tokenizers`, for a tokenizer.json) encodes a
     batch with the GIL released, so the threads
     encode in parallel while the calling thread reads the corpus and writes shards, and nothing
-    is pickled or copied between processes (lmsys.bench prepare on 2 cores: 1.76x single-process
+    is pickled or copied between processes (tools.bench prepare on 2 cores: 1.76x single-process
     SentencePiece, where the process pool this replaced reached 1.66x). `encode` keeps at most
     `in_flight` batches (default 3 per thread) queued or being encoded, so memory stays bounded
     whatever the number of batches, and yields results in input order. With one worker it

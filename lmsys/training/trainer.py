@@ -286,7 +286,7 @@ class Trainer:
     def fit(self, step_hook: Callable[[int], None] | None = None) -> None:
         """Every step from the checkpoint's to trainer.max_steps, evaluating and saving on their
         intervals and at the end. step_hook(step) runs after each step's logging, evaluation and
-        checkpoint (lmsys.bench train interleaves a plain loop's steps with lmsys's through it).
+        checkpoint (tools.bench train interleaves a plain loop's steps with lmsys's through it).
         A stop request (`StopRequest`) ends the run after the step every rank learns of it in:
         `Saves.stop_run` saves that step and raises Stopped."""
         t = self.cfg.trainer
