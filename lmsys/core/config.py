@@ -162,7 +162,7 @@ class TrainerConfig:
     global_batch_tokens: int = 65536  # tokens per optimizer step across all ranks
     micro_batch_size: int = 8  # sequences per rank per forward
     eval_interval: int = 200
-    eval_batches: int = 0  # validation micro-batches per rank; 0: the whole validation split
+    eval_batches: int = 0  # N: the first N x micro_batch_size validation sequences; 0: the whole split
     save_interval: int = 500  # also saved at the end, and after the step under way on SIGTERM/SIGUSR1/Ctrl-C
     keep_last: int = 3  # complete, intact checkpoints kept (damaged ones are moved to checkpoints/damaged/)
     # save in the background: the loop stalls only to copy the state to host memory; a checkpoint

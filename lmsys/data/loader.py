@@ -251,27 +251,26 @@ class TokenLoader:
         return batch
 
     def val_batches(self, count: int) -> list[Batch]:
-        """`count` micro-batches of this rank from the held-out "val" split (whatever split this
-        loader trains on), from its start, in order: the same held-out sequences at every
-        evaluation, rank r taking every W-th micro-batch (cycling when the split is short).
-        count=0: the whole split once, every sequence exactly once; the last round's rows past the
-        split's end repeat its first sequences with loss weight 0 (every rank runs the same number
-        of forwards, which ZeRO-3's collectives need)."""
+        """This rank's micro-batches of the held-out "val" split (whatever split this loader trains
+        on), from its start, in order: the same held-out sequences at every evaluation, rank r
+        taking every W-th micro-batch. count=N: the split's first N x micro_batch_size sequences
+        (cycling when the split is shorter), the same sequences on any world size; count=0: the
+        whole split, every sequence exactly once. Rows past those sequences, which fill the last
+        round, repeat the split's first sequences with loss weight 0 (every rank runs the same
+        number of forwards, which ZeRO-3's collectives need)."""
         tokens = self._val_tokens()
         num = len(tokens) // self.sample_len
         if not self._val_checked:  # the whole split, once: every rank alike
             self.check_split(tokens)
             self._val_checked = True
+        scored = num if count == 0 else count * self.micro_batch  # sequences, all ranks together
         per_round = self.micro_batch * self.world_size
-        whole = count == 0
-        rounds = -(-num // per_round) if whole else count
         out = []
-        for b in range(rounds):
+        for b in range(-(-scored // per_round)):
             first = b * per_round + self.rank * self.micro_batch
             indices = np.arange(first, first + self.micro_batch)
             batch = self._batch(indices % num, tokens)
-            if whole:
-                batch.weights[indices >= num] = 0.0
+            batch.weights[indices >= scored] = 0.0
             out.append(batch)
         return out
 
@@ -279,9 +278,7 @@ class TokenLoader:
         """(distinct validation sequences that `val_batches(count)` scores on all ranks together,
         sequences in the split)."""
         num = len(self._val_tokens()) // self.sample_len
-        if count == 0:
-            return num, num
-        return min(num, count * self.micro_batch * self.world_size), num
+        return (num if count == 0 else min(num, count * self.micro_batch)), num
 
     def _val_tokens(self) -> SplitTokens:
         tokens = self.tokens if self.split_name == "val" else self.data.split("val")

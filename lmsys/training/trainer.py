@@ -258,8 +258,8 @@ class Trainer:
         return f"all {total} val sequences" if covered == total else f"{covered} of {total} val sequences"
 
     def evaluate(self) -> float:
-        """The weighted mean loss on trainer.eval_batches validation micro-batches of every rank
-        (0: the whole validation split)."""
+        """The weighted mean loss on the validation sequences trainer.eval_batches names (N micro-
+        batches' worth, shared among the ranks; 0: the whole validation split)."""
         engine, device = self.engine, self.setup.device
         engine.eval()
         total = torch.zeros(2, dtype=torch.float64, device=device)  # (weighted loss, weight)

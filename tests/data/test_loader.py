@@ -210,8 +210,22 @@ def test_val_batches_zero_cover_the_whole_split_once(data):
         assert +scored == whole  # every sequence exactly once
         fillers += sum(len(b) for b in batches) * micro - num
         assert ranks[0].val_coverage(0) == (num, num)
-        assert ranks[0].val_coverage(1) == (min(num, world * micro), num)
+        assert ranks[0].val_coverage(1) == (min(num, micro), num)
     assert fillers > 0  # some round ended past the split's end
+
+
+def test_eval_batches_score_the_same_sequences_on_any_world_size(data):
+    """trainer.eval_batches=N: the split's first N x micro sequences, each once with weight 1,
+    however many ranks share them (the same weights, so the same validation loss)."""
+    micro, count = 1, 5
+    want = [data.split("val").read(i * S, S).astype(np.int64).tobytes() for i in range(micro * count)]
+    for world in (1, 2, 3):
+        scored: Counter = Counter()
+        for rank in range(world):
+            for batch in loader(data, world=world, rank=rank, micro=micro).val_batches(count):
+                for row, weights in zip(rows(batch), batch.weights, strict=True):
+                    scored[row] += bool(weights.all())
+        assert +scored == Counter(want), world
 
 
 def test_mask_doc_boundaries_weights(data):
