@@ -146,6 +146,7 @@ class Trainer:
             world_size=setup.world_size,
             seed=t.seed,
             mask_doc_boundaries=cfg.data.mask_doc_boundaries,
+            document_masking=cfg.data.document_masking,
         )
         self.state = ckpt.TrainState(
             step=0,
@@ -329,16 +330,16 @@ class Trainer:
 
     def _prediction_weight(self, batch: Batch) -> float:
         """The sum of the loss weights the model's objective uses for this micro-batch."""
-        _, _, weights = next_token_pairs(self.cfg.model, batch.tokens, batch.weights)
+        _, _, weights = next_token_pairs(self.cfg.model, batch.tokens, batch.weights, batch.documents)
         assert weights is not None
         return float(weights.sum().item())
 
     def _global_weight(self, weights: list[float], loader_step: int) -> float:
         """The loss weights of the whole step, over every rank's micro-batches."""
         plan = self.setup.plan
-        # Without document-boundary masking every weight is 1 except in the split's last, partly
-        # weighted sample: the total is then known without a collective (and its device sync).
-        if not self.cfg.data.mask_doc_boundaries and not self.loader.step_has_repeats(loader_step):
+        # When every weight is 1 (no stored weights, no document masking of either kind, not the
+        # split's last, partly weighted sample) the total is known without a collective (and its sync).
+        if self.loader.uniform_weights(loader_step):
             return float(plan.global_batch_sequences * plan.seq_len)
         total = torch.tensor([sum(weights)], dtype=torch.float64, device=self.setup.device)
         dist.all_reduce(total)
@@ -364,9 +365,8 @@ class Trainer:
         totals = torch.zeros(3, dtype=torch.float64, device=device)  # (weighted loss, preempt, interrupt)
         for i, batch in enumerate(batches):
             at(step, "forward", i)
-            loss = engine(
-                batch.tokens.to(device, non_blocking=True), batch.weights.to(device, non_blocking=True)
-            )
+            on_device = batch.to(device, non_blocking=True)
+            loss = engine(on_device.tokens, on_device.weights, on_device.documents)
             loss = self.faults.poison_loss(step, i, loss)
             totals[0] += loss.detach().double() * weights[i]
             # DeepSpeed averages the micro-batch gradients of all ranks: scaling each by its share
@@ -467,7 +467,8 @@ class Trainer:
             for i, batch in enumerate(self.loader.val_batches(self.cfg.trainer.eval_batches)):
                 self.watchdog.at(self.state.step, "evaluation", i)
                 weight = self._prediction_weight(batch)
-                loss = engine(batch.tokens.to(device), batch.weights.to(device))  # every rank runs it
+                on_device = batch.to(device)
+                loss = engine(on_device.tokens, on_device.weights, on_device.documents)  # every rank runs it
                 if weight > 0:  # the whole split's last round may hold only weight-0 filler rows
                     total[0] += loss.double() * weight
                     total[1] += weight
