@@ -68,6 +68,9 @@ NOT_RUN = {
     ),
     "sbatch --nodes=4 --gpus-per-node=8 launch/slurm.sbatch model=gpt2_1558m deepspeed=zero3 trainer=gpt2 "
     "optim=gpt2": "4 nodes x 8 GPUs; tests/launch/test_slurm.py submits the script to a one-machine cluster",
+    "python -m lmsys.prepare data.format=chat ": "needs a model's tokenizer and a file of conversations; "
+    "tests/data/test_chat.py previews and prepares them, tests/llama/test_sft.py runs docs/huggingface.md's "
+    "fine-tuning journey",
     "python -m lmsys.bench ": "benchmarks, minutes each; tests/train/test_bench.py, "
     "tests/data/test_bench_prepare.py and tests/export/ run them small",
     "python -m kernels.bench ": "GPU benchmarks; tests/kernels/test_bench.py",
