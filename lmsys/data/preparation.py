@@ -12,6 +12,10 @@ in pieces of about 4 MB (lmsys.data.corpus), and tokens go straight to the shard
 does not grow with the corpus. The threads encode with the GIL released (SentencePiece and
 `tokenizers` batch calls) while this thread reads the next documents and writes the shards.
 
+data.format=chat reads JSON Lines of conversations instead, renders them with the tokenizer's chat
+template and packs them into weighted rows (lmsys/data/chat_preparation.py); the rest (the
+tokenizer's copy, the temporary directory, reuse and refusal) is shared.
+
 Output: the prepared-data format of lmsys/data/shards.py (the tokenizer, uint16/uint32 shards,
 manifest.json). lmsys-prepare's manifest also records the sources read (files with sizes, or the
 default corpus and the Python version), the data config, the creation time, the encoding

@@ -13,6 +13,10 @@ rotary positions and the gated activation run their torch references under every
 grouped-query attention reaches the flash-attention kernel with each key/value head repeated for
 its group of query heads.
 
+Packed documents (`attention(..., documents=)`) run torch's SDPA with
+kernels.reference.document_mask under every setting: the flash-attention kernel takes no
+document boundaries yet.
+
 Entry points call `prepare_kernels(kernels, device)` once, before anything imports triton: it
 selects the Triton CPU interpreter when "triton" is asked for without CUDA, so that a user never
 has to set TRITON_INTERPRET=1 by hand.
