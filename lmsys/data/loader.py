@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lmsys.core.console import command, warn
 from lmsys.core.errors import DataError
 from lmsys.data.integrity import first_past_vocabulary, past_vocabulary
 from lmsys.data.shards import PreparedData, SplitTokens, check_row_length, prepare_again, too_short
@@ -128,6 +129,12 @@ class TokenLoader:
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.mask_doc_boundaries, self.document_masking = mask_doc_boundaries, document_masking
         check_row_length(data, tokens_per_sample)
+        if data.manifest.get("packing") and not document_masking and split == "train":
+            warn(
+                command(),
+                f"{data.dir} packs several conversations into a row and data.document_masking is false: "
+                "they attend to each other; data.document_masking=true makes each its own sequence",
+            )
         if len(self.tokens) < tokens_per_sample:
             raise too_short(data.dir, split, len(self.tokens), tokens_per_sample)
         # Tokens after the last whole sample; when > 0 they end the last, partly weighted sample.

@@ -195,10 +195,11 @@ def _encode_into(
 
 
 def chat_sources(d: DataConfig) -> FileCorpus:
-    """The files of data.sources, read as JSON Lines of conversations (data.format=chat)."""
+    """The files of data.sources, read as JSON Lines of conversations (data.format=chat): each file
+    named, and in a directory its .jsonl(.gz) files (data.suffixes' when given)."""
     if not d.sources:
         raise DataError("data.format=chat needs data.sources: JSON Lines files of conversations")
-    return FileCorpus.from_sources(d.sources, suffixes=d.suffixes)
+    return FileCorpus.from_sources(d.sources, suffixes=d.suffixes or [".jsonl"])
 
 
 def _chat_into(

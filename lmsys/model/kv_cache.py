@@ -40,8 +40,10 @@ def uncached_span(mask: torch.Tensor | None, t: int) -> CacheSpan:
 
 def document_span(documents: torch.Tensor) -> CacheSpan:
     """A forward without a cache over rows packed with documents (B, t): each token attends to
-    its own document only, and its position counts from its document's first token."""
-    return CacheSpan(0, None, document_positions(documents), documents=documents)
+    its own document only, and its position counts from its document's first token. Those
+    positions are below t, so once the caller has checked t against the table they need no
+    check of their own (`clamped`: none that reads them back, which would break a compiled graph)."""
+    return CacheSpan(0, None, document_positions(documents), clamped=True, documents=documents)
 
 
 def document_positions(documents: torch.Tensor) -> torch.Tensor:  # (B, t) -> (B, t)

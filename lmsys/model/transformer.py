@@ -507,7 +507,8 @@ class Transformer(nn.Module):
         t = ids.shape[1]
         if documents is not None:
             check_documents(documents, ids, cache, mask)
-            span = document_span(documents)
+            self.positions(0, t)  # the window's check: a document's positions are below t
+            span = document_span(documents)  # (its positions need no check: compiles whole)
         else:
             span = cache.begin(mask, t) if cache is not None else uncached_span(mask, t)
         x = self.tok_emb(ids)  # (B, T, D)

@@ -354,3 +354,10 @@ def test_preview_shows_what_is_trained(prepared_chat, tmp_path):
     assert "<|im_start|>assistant\n[[" in first  # the header untrained, the reply trained
     assert np.array_equal(np.array(shown[0]["weights"]).nonzero()[0][-1:], [len(shown[0]["ids"]) - 2])
     assert f"{source}:3: invalid JSON" in proc.stdout
+
+
+def test_packed_conversations_without_document_masking_are_warned_of(prepared_chat, capsys):
+    for layout, warned in (("packed", True), ("rows", False)):
+        data = PreparedData(prepared_chat["root"] / layout)
+        TokenLoader(data, "train", tokens_per_sample=ROW, global_batch_size=1, micro_batch_size=1)
+        assert ("data.document_masking=true makes each its own sequence" in capsys.readouterr().err) == warned

@@ -69,14 +69,6 @@ def close(got: torch.Tensor, want: torch.Tensor, tol: float = TOL) -> None:
     assert (got - want).abs().max().item() <= tol * scale, ((got - want).abs().max().item(), scale)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ----------------------------------------------------------------------------- logits and losses
 
 
@@ -195,3 +187,13 @@ def test_without_documents_nothing_changes():
     one_document = torch.zeros_like(ids)
     torch.testing.assert_close(model(ids, documents=one_document), model(ids), atol=1e-6, rtol=0)
     torch.testing.assert_close(model.loss(ids, None, one_document), model.loss(ids), atol=1e-6, rtol=0)
+
+
+def test_the_packed_loss_compiles_whole():
+    """torch.compile (trainer.compile) traces the loss with documents in one graph: no check that
+    reads a tensor back (aot_eager: dynamo and AOTAutograd, what inductor is handed)."""
+    model = make_model("llama_tiny-rotary-gqa")
+    ids, documents = packed_batch(LENGTHS)
+    torch._dynamo.reset()
+    compiled = torch.compile(model.loss, backend="aot_eager", fullgraph=True)
+    close(compiled(ids, None, documents).detach(), model.loss(ids, None, documents).detach(), 1e-6)
