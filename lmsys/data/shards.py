@@ -431,7 +431,6 @@ class PreparedData:
         self.tokenizer_path = self.dir / tok["file"]
         self.tokenizer_sha256 = str(tok["sha256"])
         self.dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
-        self.content = str(self.manifest.get("content", "text"))  # text | chat
         # chat: the tokens of the rows every split is cut into (no conversation crosses a row)
         self.row_tokens: int | None = self.manifest.get("row_tokens")
         self._splits: dict[str, SplitTokens] = {}
