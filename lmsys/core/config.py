@@ -100,7 +100,7 @@ class DataConfig:
     # tokenizer's chat template, loss on the assistant's turns: docs/data.md, "Chat data")
     format: str = "text"
     packing: bool = True  # chat: several conversations per row of data.seq_len (false: one, padded)
-    overlong: str = "truncate"  # chat: a conversation longer than data.seq_len: truncate | drop
+    overlong: str = "truncate"  # chat: a conversation longer than a row (seq_len + 1): truncate | drop
     chat_template: str | None = None  # chat: a Jinja template file instead of the tokenizer's own
     seed: int = 1234
     overwrite: bool = False  # lmsys-prepare: re-prepare even when data.dir already matches the sources
