@@ -13,6 +13,10 @@ rotary positions and the gated activation run their torch references under every
 grouped-query attention reaches the flash-attention kernel with each key/value head repeated for
 its group of query heads.
 
+Packed documents (`attention(..., documents=)`) run torch's SDPA with
+kernels.reference.document_mask under every setting: the flash-attention kernel takes no
+document boundaries yet.
+
 Entry points call `prepare_kernels(kernels, device)` once, before anything imports triton: it
 selects the Triton CPU interpreter when "triton" is asked for without CUDA, so that a user never
 has to set TRITON_INTERPRET=1 by hand. How Triton runs in the process is kernels.runtime's.
@@ -30,6 +34,7 @@ from kernels import runtime
 from kernels.reference import (
     add_layer_norm_reference,
     chunked_linear_cross_entropy,
+    document_mask,
     layer_norm_reference,
     repeat_kv,
     rms_norm_reference,
@@ -130,6 +135,7 @@ def attention(
     softmax: str = "row",
     key_mask: torch.Tensor | None = None,  # (B, Tk) bool: False at padding keys
     query_slots: torch.Tensor | None = None,  # (Tq,) the queries' key slots; None: the last Tq
+    documents: torch.Tensor | None = None,  # (B, T) document ids of packed rows (Tq = Tk = T)
 ) -> torch.Tensor:  # (B, H, Tq, d_vo)
     """softmax(scale * Q K^T + M) V per head. With Tq < Tk (decoding with a KV cache) the queries
     are the last Tq positions, so the causal mask is aligned to the bottom-right corner, unless
@@ -137,8 +143,16 @@ def attention(
     hides them). With a key_mask (a padded batch) the padding keys are hidden from every query
     (padded_attention). With fewer key/value heads than query heads (grouped-query attention)
     query head h reads key/value head h // (H / Hkv): torch's SDPA does so itself (enable_gqa),
-    the flash-attention kernel gets the key/value heads repeated (`repeat_kv`)."""
+    the flash-attention kernel gets the key/value heads repeated (`repeat_kv`). With `documents`
+    (packed rows, no cache) a query sees only the keys of its own document
+    (kernels.reference.document_mask)."""
     groups = q.shape[1] // k.shape[1]
+    if documents is not None:
+        # Torch under every model.kernels setting, "triton" included: the flash-attention kernel
+        # takes no document boundaries yet (one that does skips the tiles outside them).
+        return packed_attention(
+            q, k, v, documents, causal=causal, scale=scale, softmax=softmax, key_mask=key_mask
+        )
     if key_mask is not None:
         if softmax == "matrix":
             raise ValueError(
@@ -165,6 +179,36 @@ def attention(
         visible = torch.arange(t_k, device=q.device)[None, :] <= query_pos  # (Tq, Tk)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+
+
+def packed_attention(
+    q: torch.Tensor,  # (B, H, T, d_qk)
+    k: torch.Tensor,  # (B, Hkv, T, d_qk)
+    v: torch.Tensor,  # (B, Hkv, T, d_vo)
+    documents: torch.Tensor,  # (B, T) document ids, non-decreasing along each row
+    *,
+    causal: bool,
+    scale: float,
+    softmax: str = "row",
+    key_mask: torch.Tensor | None = None,
+) -> torch.Tensor:  # (B, H, T, d_vo)
+    """Attention of rows packed with documents, each token seeing only its own document.
+
+    torch's SDPA with the mask of kernels.reference.document_mask (a boolean mask: the memory-
+    efficient kernel on CUDA, the math one on CPU), grouped-query heads read by SDPA itself."""
+    if softmax == "matrix":
+        raise ValueError(
+            "attention.softmax=matrix normalises over the whole matrix: it cannot take documents"
+        )
+    if key_mask is not None or q.shape[2] != k.shape[2]:
+        raise ValueError("attention with documents takes whole packed rows: no KV cache and no padding mask")
+    if documents.shape != (q.shape[0], q.shape[2]):
+        raise ValueError(
+            f"documents must be (B, T) = {(q.shape[0], q.shape[2])}, got {tuple(documents.shape)}"
+        )
+    visible = document_mask(documents, causal)  # (B, 1, T, T)
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa)
 
 
 def padded_attention(

@@ -244,6 +244,22 @@ def test_mask_doc_boundaries_weights(data):
     assert zeros > 0  # documents are short enough that boundaries occur
 
 
+def test_document_masking_gives_each_batch_its_documents(data):
+    """Text data: a new document after every eos (a row's first token starts one), the weights
+    as without masking (the model drops the pairs across documents itself), and the step's
+    weights no longer all 1."""
+    plain, masked = loader(data, micro=6), loader(data, micro=6, document_masking=True)
+    assert loader(data, micro=6).next_batch().documents is None and plain.uniform_weights(1)
+    assert not masked.uniform_weights(1)
+    for _ in range(5):
+        batch, want = masked.next_batch(), plain.next_batch()
+        assert torch.equal(batch.tokens, want.tokens) and torch.equal(batch.weights, want.weights)
+        docs = batch.documents
+        assert docs.dtype == torch.int64 and docs.shape == batch.tokens.shape and (docs[:, 0] == 0).all()
+        steps = docs[:, 1:] - docs[:, :-1]  # (B, S-1)
+        assert torch.equal(steps, (batch.tokens[:, :-1] == EOS_ID).long())
+
+
 def test_split_shorter_than_a_sample(data):
     n_val = len(data.split("val"))
     with pytest.raises(DataError, match="fewer than one sequence"):
