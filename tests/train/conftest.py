@@ -309,6 +309,30 @@ LAUNCHES["documents"] = Launch(
     ("2proc-zero2-documents", "2proc-zero3-documents"),
     "2proc-zero${deepspeed.stage}-documents",
 )  # fmt: skip
+# Ulysses sequence parallelism (tests/train/test_sequence_parallel.py): one group of 2 ranks
+# (trainer.sequence_parallel=2) at ZeRO-0 and ZeRO-3, for the GPT-2 family (tiny) and the Llama
+# family (llama_tiny: rotary positions, RMS norm, SwiGLU), packed documents masked, one sweep,
+# against 1 process (1proc-documents and its llama_tiny twin)
+ULYSSES = ("trainer.sequence_parallel=2", *DOCUMENTS)
+LAUNCHES["ulysses"] = Launch(
+    2,
+    ("-m", "deepspeed=zero0,zero3", "model=tiny,llama_tiny", "trainer.micro_batch_size=8", *ULYSSES),
+    ("ulysses-zero0-tiny", "ulysses-zero0-llama_tiny", "ulysses-zero3-tiny", "ulysses-zero3-llama_tiny"),
+    "ulysses-zero${deepspeed.stage}-${model.name}",
+)
+LAUNCHES["documents1-llama"] = Launch(
+    1, ("model=llama_tiny", "trainer.micro_batch_size=8", *DOCUMENTS), ("1proc-documents-llama_tiny",),
+    "1proc-documents-llama_tiny",
+)  # fmt: skip
+# ... and 4 ranks: 2 groups of 2 (data parallel 2), accumulation 2, activation checkpointing,
+# ZeRO-3 and optim=muon, against 1proc-muon-zero2
+LAUNCHES["ulysses4"] = Launch(
+    4,
+    ("deepspeed=zero3", "trainer.micro_batch_size=2", "trainer.sequence_parallel=2",
+     "deepspeed.activation_checkpointing=true", *MUON),
+    ("ulysses4-zero3-accum2-actckpt-muon",),
+    "ulysses4-zero3-accum2-actckpt-muon",
+)  # fmt: skip
 CASES = {case: launch for launch, spec in LAUNCHES.items() for case in spec.cases}
 
 
@@ -331,6 +355,8 @@ class RunCache:
             plain.append("model=seed_gpt")
         elif case.endswith("-tiny"):
             plain.append("model=tiny")
+        elif case.endswith("-llama_tiny") and "model=llama_tiny" not in plain:
+            plain.append("model=llama_tiny")
         for o in spec.overrides:
             if o.startswith("deepspeed=zero") and "," in o:  # a sweep over stages: this case's
                 stage = re.search(r"zero(\d)", case)
