@@ -49,7 +49,7 @@ from lmsys.inference.generation import (
     prompt_ids,
 )
 from lmsys.inference.lengths import choose_window
-from lmsys.interop.exports import load_model
+from lmsys.interop.export_dir import load_model
 from lmsys.model.compiling import compiled_for_cli
 from lmsys.model.ops import prepare_kernels
 

@@ -154,7 +154,7 @@ def held_out_loss(model, data_dir: Path) -> float:
 
 def test_fine_tuning_lowers_the_held_out_loss_of_the_replies(journey):
     from lmsys.core.rundir import read_metrics
-    from lmsys.interop.exports import load_export
+    from lmsys.interop.export_dir import load_export
 
     cwd, _ = journey
     before = held_out_loss(load_export(cwd / "exports" / "qwen3-0.6b")[0], cwd / "data" / "qwen3-chat")
