@@ -69,18 +69,57 @@ def sequence_parallel_groups(size: int) -> Any | None:
     return parallel_state_sp
 
 
+class LocalExchange(nn.Module):
+    """What DistributedAttention does to one rank's tensors, without the other ranks, for a plan
+    traced on fake tensors (lmsys-plan): the same reshapes and copies around each all-to-all
+    (batch-first, scatter the heads and gather the sequence, then back), the all-to-all itself a
+    copy of its input. The shapes and allocations are a rank's; the values are not."""
+
+    def __init__(self, local_attention: Any, size: int) -> None:
+        super().__init__()
+        self.local_attention, self.size = local_attention, size
+
+    def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:  # (B, T/P, heads, d) -> (B, T, heads/P, d)
+        b, t, heads, d = x.shape
+        p = self.size
+        sent = (
+            x.reshape(b, t, p, heads // p, d).permute(2, 0, 1, 3, 4).contiguous()
+        )  # (P, B, T/P, heads/P, d)
+        received = torch.empty_like(sent).copy_(sent)  # the all-to-all
+        return received.permute(1, 0, 2, 3, 4).contiguous().reshape(b, p * t, heads // p, d)
+
+    def scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, heads/P, d) -> (B, T/P, heads, d)
+        b, t, heads, d = x.shape
+        p = self.size
+        sent = (
+            x.reshape(b, p, t // p, heads, d).permute(1, 0, 2, 3, 4).contiguous()
+        )  # (P, B, T/P, heads/P, d)
+        received = torch.empty_like(sent).copy_(sent)  # the all-to-all
+        return received.permute(1, 2, 0, 3, 4).contiguous().reshape(b, t // p, p * heads, d)
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch_dim_idx: int, **kwargs: Any
+    ) -> torch.Tensor:
+        q, k, v = (self.gather_sequence(x) for x in (query, key, value))
+        return self.scatter_sequence(self.local_attention(q, k, v, **kwargs))
+
+
 class UlyssesAttention:
     """What one layer's `Attention.attend` becomes: DeepSpeed's DistributedAttention around the
-    layer's own attention. Queries (B, H, T/P, d) in, this rank's positions of every head out."""
+    layer's own attention (or, for a plan, `LocalExchange`). Queries (B, H, T/P, d) in, this rank's
+    positions of every head out."""
 
-    def __init__(self, attend: Any, group: Any, n_heads: int, n_kv_heads: int) -> None:
-        from deepspeed.sequence.layer import DistributedAttention  # late: the module docstring
-
+    def __init__(self, attend: Any, group: Any, n_heads: int, n_kv_heads: int, size: int = 0) -> None:
         self.attend = attend  # the layer's own (ops.attention with its settings)
-        self.size = torch.distributed.get_world_size(group)
+        self.size = torch.distributed.get_world_size(group) if group is not None else size
         # copies of each key/value head when there are fewer than ranks (validated: Hkv divides P)
         self.kv_copies = self.size // n_kv_heads if n_kv_heads < self.size else 1
         self.n_heads = n_heads
+        if group is None:
+            self.exchange: nn.Module = LocalExchange(self.whole_sequence, self.size)
+            return
+        from deepspeed.sequence.layer import DistributedAttention  # late: the module docstring
+
         # batch-first layout (B, T, heads, d): gather the sequence (dim 1), scatter the heads (dim 2)
         self.exchange = DistributedAttention(self.whole_sequence, group, scatter_idx=2, gather_idx=1)
 
@@ -140,19 +179,25 @@ class SequenceShardedLoss(nn.Module):
         return model.unembed(hidden, part(targets), None if target_weights is None else part(target_weights))
 
 
-def shard_sequences(model: nn.Module, cfg: ModelConfig, shard: SequenceShard, unit: Any) -> nn.Module:
-    """Wrap every layer's attention in the exchange of `unit`'s sequence-parallel group and return
-    the module that computes this rank's part of the loss (`unit`: sequence_parallel_groups')."""
-    group = unit.get_sequence_parallel_group()
-    if torch.distributed.get_rank(group) != shard.index:
-        raise RuntimeError(
-            f"DeepSpeed placed rank {torch.distributed.get_rank()} at {torch.distributed.get_rank(group)} of "
-            f"its sequence-parallel group, where lmsys expects {shard.index}"
-        )
+def shard_sequences(
+    model: nn.Module, cfg: ModelConfig, shard: SequenceShard, unit: Any | None
+) -> SequenceShardedLoss:
+    """Wrap every layer's attention in the exchange of `unit`'s sequence-parallel group
+    (sequence_parallel_groups'; None: a plan's LocalExchange of shard.size ranks) and return the
+    module that computes this rank's part of the loss."""
     if not isinstance(model, Transformer):
         raise TypeError("sequence parallelism needs lmsys's Transformer")
+    group = None
+    if unit is not None:
+        group = unit.get_sequence_parallel_group()
+        place = torch.distributed.get_rank(group)
+        if place != shard.index:
+            raise RuntimeError(
+                f"DeepSpeed placed rank {torch.distributed.get_rank()} at {place} of its "
+                f"sequence-parallel group, where lmsys expects {shard.index}"
+            )
     n_kv_heads = model_dims(cfg).n_kv_heads
     for block in model.blocks:
         attention = block.attn
-        attention.attend = UlyssesAttention(attention.attend, group, cfg.n_heads, n_kv_heads)
+        attention.attend = UlyssesAttention(attention.attend, group, cfg.n_heads, n_kv_heads, shard.size)
     return SequenceShardedLoss(model, shard)
