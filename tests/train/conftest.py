@@ -333,6 +333,22 @@ LAUNCHES["ulysses4"] = Launch(
     ("ulysses4-zero3-accum2-actckpt-muon",),
     "ulysses4-zero3-accum2-actckpt-muon",
 )  # fmt: skip
+# ... and the activation memory per rank at P=1 and P=2, sequences of T=512 and 4T on 2 ranks,
+# traced (trainer.trace_memory): micro-batches of 1 sequence, ZeRO-0, 2 steps
+MEMORY = ("model.d_model=64", "model.ffn.d_ff=128", "model.max_seq_len=2048", "trainer.max_steps=2",
+          "trainer.micro_batch_size=1", "trainer.global_batch_tokens=4096", "trainer.trace_memory=true",
+          "trainer.eval_batches=1", "deepspeed=zero0")  # fmt: skip
+LAUNCHES["ulysses-memory"] = Launch(
+    2,
+    ("-m", "trainer.sequence_parallel=1,2", "data.seq_len=512,2048", *MEMORY),
+    (
+        "ulysses-memory-p1-t512",
+        "ulysses-memory-p1-t2048",
+        "ulysses-memory-p2-t512",
+        "ulysses-memory-p2-t2048",
+    ),
+    "ulysses-memory-p${trainer.sequence_parallel}-t${data.seq_len}",
+)
 CASES = {case: launch for launch, spec in LAUNCHES.items() for case in spec.cases}
 
 

@@ -92,6 +92,23 @@ def test_a_run_saved_at_p2_continues_at_p1_on_one_process(runs, tmp_path):
         assert run.losses()[step] == pytest.approx(want[step], rel=1e-5), (run.losses(), want)
 
 
+def confirmed_peaks(run: Run) -> list[int]:
+    """Each rank's traced peak less the blocks whose free went unseen: buffers of the collectives
+    (the all-to-alls', the gradients' all-reduce) that gloo's threads let go of after the call."""
+    return [r["measured_peak_bytes"] - r["measured_peak_unconfirmed_bytes"] for r in run.stats()["ranks"]]
+
+
+@pytest.mark.slow
+def test_activation_memory_per_rank_grows_about_half_as_fast_at_p2(runs):
+    """From T=512 to 4T, the largest rank's traced peak grows at most 0.6x as much at P=2 as at
+    P=1 (the activations of T/P positions; the all-to-alls' buffers on top)."""
+    growth = {}
+    for p in (1, 2):
+        short, long = (confirmed_peaks(runs.get(f"ulysses-memory-p{p}-t{t}").check()) for t in (512, 2048))
+        growth[p] = max(b - a for a, b in zip(short, long, strict=True))
+    assert 0.4 * growth[1] < growth[2] <= 0.6 * growth[1], growth
+
+
 # ----------------------------------------------------------------------------- bad settings
 
 
