@@ -104,6 +104,51 @@ def test_triton_model_equals_torch_model(preset: str, monkeypatch: pytest.Monkey
         torch.testing.assert_close(p.grad, expected, atol=atol, rtol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
 
 
+LLAMA_KERNELS = {  # the Llama family's entry points: (name in its module, module)
+    "flash_attention": "kernels.flash_attention",
+    "rms_norm": "kernels.layer_norm",
+    "add_rms_norm": "kernels.layer_norm",
+    "rotary": "kernels.rotary",
+    "gated": "kernels.gated",
+}
+
+
+def test_llama_family_triton_model_equals_torch_model(monkeypatch) -> None:
+    """Qwen3's function (the Llama family with QK-norm), multi-query: RMS norm (blocks, final and
+    QK-norm), the fused add + RMS norm, rotary, SwiGLU and grouped-query attention all run their
+    kernels under kernels=triton, and the model computes what kernels=torch does."""
+    extra = ["attention.d_qk=16", "attention.d_vo=16", "attention.n_kv_heads=1", "loss_impl=chunked"]
+    reference, fused = _pair("qwen3_0_6b", extra)
+    tokens = torch.randint(0, 37, (2, 19), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    calls: Counter = Counter()
+    for name, module_name in LLAMA_KERNELS.items():
+        module = importlib.import_module(module_name)
+        original = getattr(module, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    loss_ref = reference.loss(tokens)
+    assert not calls, dict(calls)
+    loss_fused = fused.loss(tokens)
+    layers = fused.cfg.n_layers
+    qk_norms = 2 * layers if fused.cfg.attention.qk_norm else 0
+    assert calls == {
+        "flash_attention": layers, "rotary": layers, "gated": layers,
+        "rms_norm": layers + 1 + qk_norms, "add_rms_norm": layers,  # norm1 each block, the final norm
+    }, dict(calls)  # fmt: skip
+    loss_ref.backward()
+    loss_fused.backward()
+    torch.testing.assert_close(loss_fused, loss_ref, atol=2e-6, rtol=1e-5)
+    grads_ref = dict(reference.named_parameters())
+    for name, p in fused.named_parameters():
+        expected = grads_ref[name].grad
+        atol = 1e-5 * max(expected.abs().max().item(), 1e-2)
+        torch.testing.assert_close(p.grad, expected, atol=atol, rtol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_auto_uses_torch_on_cpu_and_triton_on_cuda() -> None:
     from lmsys.model import ops
 
