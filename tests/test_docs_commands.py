@@ -72,6 +72,9 @@ NOT_RUN = {
     "python -m tools.bench ": "benchmarks, minutes each (the kernels' on a GPU); tests/tools/ runs them",
     "python -m tools.inspect": "compiles every kernel (minutes); tests/tools/test_inspect.py",
     "python -m tools.inspect ": "compiles kernels (minutes); tests/tools/test_inspect.py runs a subset",
+    "python -m lmsys.prepare data.format=chat ": "needs a model's tokenizer and a file of conversations; "
+    "tests/data/test_chat.py previews and prepares them, tests/llama/test_sft.py runs docs/huggingface.md's "
+    "fine-tuning journey",
 }
 
 # Modules the README names that another branch is adding: printed, and run once they exist.

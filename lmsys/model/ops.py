@@ -14,6 +14,10 @@ residual add + RMS norm (kernels.layer_norm.rms_norm / add_rms_norm), rotary pos
 grouped-query attention, whose key/value heads the flash-attention kernel reads per group
 without repeating them.
 
+Packed documents (`attention(..., documents=)`) run the flash-attention kernel with the
+documents' bounds where the setting runs Triton (it skips every tile outside the documents), and
+torch's SDPA with kernels.reference.document_mask elsewhere.
+
 Entry points call `prepare_kernels(kernels, device)` once, before anything imports triton: it
 selects the Triton CPU interpreter when "triton" is asked for without CUDA, so that a user never
 has to set TRITON_INTERPRET=1 by hand. How Triton runs in the process is kernels.runtime's.
@@ -32,6 +36,7 @@ from kernels.reference import (
     GATED_ACTIVATIONS,
     add_layer_norm_reference,
     chunked_linear_cross_entropy,
+    document_mask,
     layer_norm_reference,
     repeat_kv,
     rms_norm_reference,
@@ -132,6 +137,7 @@ def attention(
     softmax: str = "row",
     key_mask: torch.Tensor | None = None,  # (B, Tk) bool: False at padding keys
     query_slots: torch.Tensor | None = None,  # (Tq,) the queries' key slots; None: the last Tq
+    documents: torch.Tensor | None = None,  # (B, T) document ids of packed rows (Tq = Tk = T)
 ) -> torch.Tensor:  # (B, H, Tq, d_vo)
     """softmax(scale * Q K^T + M) V per head. With Tq < Tk (decoding with a KV cache) the queries
     are the last Tq positions, so the causal mask is aligned to the bottom-right corner, unless
@@ -139,8 +145,21 @@ def attention(
     hides them). With a key_mask (a padded batch) the padding keys are hidden from every query
     (padded_attention). With fewer key/value heads than query heads (grouped-query attention)
     query head h reads key/value head h // (H / Hkv): torch's SDPA and the flash-attention kernel
-    both do so themselves (enable_gqa; the kernel's grouped heads)."""
+    both do so themselves (enable_gqa; the kernel's grouped heads). With `documents` (packed rows,
+    no cache) a query sees only the keys of its own document (`packed_attention`)."""
     groups = q.shape[1] // k.shape[1]
+    if documents is not None:
+        return packed_attention(
+            q,
+            k,
+            v,
+            documents,
+            causal=causal,
+            scale=scale,
+            softmax=softmax,
+            key_mask=key_mask,
+            kernels=kernels,
+        )
     if key_mask is not None:
         if softmax == "matrix":
             raise ValueError(
@@ -167,6 +186,44 @@ def attention(
         visible = torch.arange(t_k, device=q.device)[None, :] <= query_pos  # (Tq, Tk)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+
+
+def packed_attention(
+    q: torch.Tensor,  # (B, H, T, d_qk)
+    k: torch.Tensor,  # (B, Hkv, T, d_qk)
+    v: torch.Tensor,  # (B, Hkv, T, d_vo)
+    documents: torch.Tensor,  # (B, T) document ids, non-decreasing along each row
+    *,
+    causal: bool,
+    scale: float,
+    softmax: str = "row",
+    key_mask: torch.Tensor | None = None,
+    kernels: str = "auto",
+) -> torch.Tensor:  # (B, H, T, d_vo)
+    """Attention of rows packed with documents, each token seeing only its own document.
+
+    Where `kernels` runs Triton, the flash-attention kernel with the documents: it visits only
+    the tiles inside the rows' documents, so the work grows with the sum of the squared document
+    lengths. Elsewhere torch's SDPA with the mask of kernels.reference.document_mask (a boolean
+    mask: the memory-efficient kernel on CUDA, the math one on CPU). Grouped-query heads are read
+    in place by both."""
+    if softmax == "matrix":
+        raise ValueError(
+            "attention.softmax=matrix normalises over the whole matrix: it cannot take documents"
+        )
+    if key_mask is not None or q.shape[2] != k.shape[2]:
+        raise ValueError("attention with documents takes whole packed rows: no KV cache and no padding mask")
+    if documents.shape != (q.shape[0], q.shape[2]):
+        raise ValueError(
+            f"documents must be (B, T) = {(q.shape[0], q.shape[2])}, got {tuple(documents.shape)}"
+        )
+    if use_triton(q, kernels, "attention"):
+        from kernels.flash_attention import flash_attention  # the custom op (torch.compile traces it)
+
+        return flash_attention(q, k, v, causal, scale, documents)
+    visible = document_mask(documents, causal)  # (B, 1, T, T)
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa)
 
 
 def padded_attention(

@@ -282,6 +282,7 @@ def train_loader(cfg: Config, setup: Setup, data: PreparedData) -> TokenLoader:
         world_size=setup.world_size,
         seed=cfg.trainer.seed,
         mask_doc_boundaries=cfg.data.mask_doc_boundaries,
+        document_masking=cfg.data.document_masking,
     )
 
 
