@@ -31,6 +31,7 @@ from kernels.reference import (
     GATED_ACTIVATIONS,
     add_layer_norm_reference,
     attention_reference,
+    document_attention_reference,
     gated_reference,
     layer_norm_reference,
     linear_cross_entropy_reference,
@@ -166,8 +167,16 @@ def _kernel(module: str, name: str) -> Callable[..., Any]:
     return lambda *args: getattr(importlib.import_module(f"kernels.{module}"), name)(*args)
 
 
-def _cases(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator):
-    """kernel name -> (kernel, reference, inputs, input names), each one small call at the run's widths."""
+def _cases(
+    cfg: ModelConfig,
+    seq_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    gen: torch.Generator,
+    documents: bool = False,
+):
+    """kernel name -> (kernel, reference, inputs, input names), each one small call at the run's
+    widths; attention over a row packed with two documents when the run packs them."""
     dims = model_dims(cfg)
     t = max(1, min(seq_len, MAX_TOKENS))
     d, h = cfg.d_model, cfg.n_heads
@@ -196,6 +205,8 @@ def _cases(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: torch.dev
     k = _random((1, h_kv, t_attn, dims.d_qk), dtype, device, gen)  # (B=1, Hkv, T, d_qk)
     v = _random((1, h_kv, t_attn, dims.d_vo), dtype, device, gen)
     flash_attention = _kernel("flash_attention", "flash_attention")
+    # two documents in the row, the second from a third of it on
+    packed = (torch.arange(t_attn, device=device) >= t_attn // 3).long()[None] if documents else None
     layer_norm, add_layer_norm = _kernel("layer_norm", "layer_norm"), _kernel("layer_norm", "add_layer_norm")
     linear_cross_entropy = _kernel("linear_cross_entropy", "linear_cross_entropy")
     x, residual = _random((t, d), dtype, device, gen), _random((t, d), dtype, device, gen)
@@ -204,8 +215,10 @@ def _cases(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: torch.dev
     targets = torch.randint(0, cfg.vocab_size, (t,), generator=gen).to(device)
     return {
         "attention": (
-            lambda q, k, v: flash_attention(q, k, v, causal, scale),
-            lambda q, k, v: attention_reference(q, repeat_kv(k, groups), repeat_kv(v, groups), causal, scale),
+            lambda q, k, v: flash_attention(q, k, v, causal, scale, packed),
+            lambda q, k, v: _attention_reference(
+                q, repeat_kv(k, groups), repeat_kv(v, groups), causal, scale, packed
+            ),
             [q, k, v],
             ["q", "k", "v"],
         ),
@@ -229,6 +242,12 @@ def _cases(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: torch.dev
             ["h", "weight", "targets"],
         ),
     }
+
+
+def _attention_reference(q, k, v, causal: bool, scale: float, documents: torch.Tensor | None):
+    if documents is None:
+        return attention_reference(q, k, v, causal, scale)
+    return document_attention_reference(q, k, v, documents, causal, scale)
 
 
 def _llama_cases(cfg: ModelConfig, t: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator):
@@ -292,8 +311,11 @@ def check_kernels(
     dtype: torch.dtype,
     break_kernel: str = "",
     kernels: list[str] | None = None,
+    documents: bool = False,
 ) -> KernelCheck:
-    """Compare each kernel in `kernels` (default: those the run uses) with its reference."""
+    """Compare each kernel in `kernels` (default: those the run uses) with its reference;
+    `documents`: the run packs documents (data.document_masking), so attention is checked with
+    them."""
     started = time.perf_counter()
     names = kernels_used(cfg, device, dtype) if kernels is None else kernels
     result = KernelCheck(str(device), dtype)
@@ -304,7 +326,7 @@ def check_kernels(
     if device.type == "cpu" and "linear_cross_entropy" in names:
         # the fused loss on CPU needs the interpreter: selected, or one user error line (ops')
         ops.prepare_interpreted_loss(torch.empty(0, dtype=dtype), cfg.kernels)
-    cases = _cases(cfg, seq_len, dtype, device, gen)
+    cases = _cases(cfg, seq_len, dtype, device, gen, documents)
     for name in names:
         kernel, reference, inputs, input_names = cases[name]
         try:

@@ -77,7 +77,7 @@ def test_custom_ops_pass_opcheck() -> None:
 
 def test_the_llama_family_ops_pass_opcheck() -> None:
     """RMS norm, add + RMS norm, rotary, the gated activation, and flash attention with grouped
-    key/value heads."""
+    key/value heads and with packed documents."""
     gen = torch.Generator().manual_seed(1)
 
     def rand(*shape: int) -> torch.Tensor:
@@ -94,6 +94,9 @@ def test_the_llama_family_ops_pass_opcheck() -> None:
         torch.library.opcheck(gated_fwd, (rand(3, 7), rand(3, 7), activation))
     q, k, v = rand(1, 4, 16, 16), rand(1, 2, 16, 16), rand(1, 2, 16, 8)
     torch.library.opcheck(flash_attention_fwd, (q, k, v, True, 0.25))
+    documents = torch.tensor([[0] * 5 + [1] + [4] * 10]).to(DEVICE)  # (B, T) packed documents
+    for causal in (True, False):
+        torch.library.opcheck(flash_attention_fwd, (q, k, v, causal, 0.25, documents))
 
 
 def _explain(fn, *args):
@@ -123,15 +126,18 @@ def test_the_triton_kernels_trace_without_a_graph_break() -> None:
 
 def test_the_llama_family_kernels_trace_without_a_graph_break() -> None:
     """model.kernels=triton on a Llama-family model with QK-norm and grouped-query attention: RMS
-    norm, add + RMS norm, rotary, the gated activation and attention are the custom ops."""
+    norm, add + RMS norm, rotary, the gated activation and attention are the custom ops, with
+    packed documents too (the attention op takes them)."""
     extra = ["kernels=triton", "attention.d_qk=16", "attention.d_vo=16", "attention.n_kv_heads=1"]
     model = small_model("qwen3_0_6b", extra)
     tokens, weights = batch()
-    out = _explain(model.loss, tokens, weights)
-    assert out.graph_break_count == 0 and out.graph_count == 1, out.break_reasons
-    ops = {str(node.target) for graph in out.graphs for node in graph.graph.nodes}
-    for op in ("flash_attention_fwd", "rms_norm_fwd", "add_rms_norm_fwd", "rotary_fwd", "gated_fwd"):
-        assert any(op in target for target in ops), (op, ops)
+    documents = torch.tensor([[0] * 4 + [1] * 13, [2] * 9 + [3] + [5] * 7]).to(DEVICE)  # (B, S)
+    for args in ((tokens, weights), (tokens, weights, documents)):
+        out = _explain(model.loss, *args)
+        assert out.graph_break_count == 0 and out.graph_count == 1, out.break_reasons
+        ops = {str(node.target) for graph in out.graphs for node in graph.graph.nodes}
+        for op in ("flash_attention_fwd", "rms_norm_fwd", "add_rms_norm_fwd", "rotary_fwd", "gated_fwd"):
+            assert any(op in target for target in ops), (op, ops)
 
 
 def _loss_and_grads(model, loss_fn, tokens, weights):

@@ -63,3 +63,7 @@ def test_the_llama_family_kernels_are_checked():
     assert names == ["attention", "rms_norm", "add_rms_norm", "rotary", "gated"]
     check = check_kernels(model, 17, cpu, torch.float32)
     assert check.passed == names and not check.failed, check.failed
+    packed = check_kernels(model, 17, cpu, torch.float32, kernels=["attention"], documents=True)
+    assert packed.passed == ["attention"] and not packed.failed, packed.failed
+    broken = check_kernels(model, 17, cpu, torch.float32, "attention", ["attention"], documents=True)
+    assert broken.failed[0].error == "forward output differs by 1"
