@@ -60,11 +60,11 @@ def _pair(preset: str, extra: list[str]) -> tuple[Transformer, Transformer]:
     return models[0], models[1]
 
 
-def _count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Counter:
+def _count_kernel_calls(monkeypatch: pytest.MonkeyPatch, modules: dict[str, str] = KERNEL_MODULES) -> Counter:
     """Wrap the kernels' entry points in their modules (lmsys.model.ops imports them from there at call
     time)."""
     calls: Counter = Counter()
-    for name, module_name in KERNEL_MODULES.items():
+    for name, module_name in modules.items():
         module = importlib.import_module(module_name)
         original = getattr(module, name)
 
@@ -120,16 +120,7 @@ def test_llama_family_triton_model_equals_torch_model(monkeypatch) -> None:
     extra = ["attention.d_qk=16", "attention.d_vo=16", "attention.n_kv_heads=1", "loss_impl=chunked"]
     reference, fused = _pair("qwen3_0_6b", extra)
     tokens = torch.randint(0, 37, (2, 19), generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    calls: Counter = Counter()
-    for name, module_name in LLAMA_KERNELS.items():
-        module = importlib.import_module(module_name)
-        original = getattr(module, name)
-
-        def counted(*args, _name=name, _original=original, **kwargs):
-            calls[_name] += 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(module, name, counted)
+    calls = _count_kernel_calls(monkeypatch, LLAMA_KERNELS)
     loss_ref = reference.loss(tokens)
     assert not calls, dict(calls)
     loss_fused = fused.loss(tokens)

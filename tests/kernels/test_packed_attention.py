@@ -14,6 +14,7 @@ import torch
 from kernels.flash_attention import document_bounds, flash_attention, visited_tiles
 from kernels.reference import document_attention_reference, repeat_kv
 from tests.conftest import DEVICE
+from tests.model.test_documents import spans  # (row, start, end) of every document
 
 INTERPRETER_ONLY = pytest.mark.skipif(
     torch.cuda.is_available(), reason="the tiling is fixed only under the interpreter; autotuned on GPU"
@@ -47,14 +48,6 @@ def _documents(lengths: list[list[int]]) -> torch.Tensor:
     return torch.tensor(rows, device=DEVICE)
 
 
-def _spans(lengths: list[list[int]]):
-    for b, row in enumerate(lengths):
-        start = 0
-        for n in row:
-            yield b, start, start + n
-            start += n
-
-
 def _close(got: torch.Tensor, want: torch.Tensor, what: str, floor: float = 1e-30) -> None:
     """Within TOL of the largest magnitude compared, or of `floor` (the whole tensor's largest: a
     one-token document's dq is 0 in exact arithmetic, rounding noise in both runs)."""
@@ -85,7 +78,7 @@ def test_a_packed_row_is_each_document_alone(case, monkeypatch):
     )
     _close(out, want, "packed vs reference")
 
-    for b, start, end in _spans(lengths):
+    for b, start, end in spans(lengths):
         qa, ka, va = (x.detach()[b : b + 1, :, start:end].clone().requires_grad_() for x in (q, k, v))
         alone = flash_attention(qa, ka, va, causal=causal)
         alone.backward(do[b : b + 1, :, start:end])
