@@ -1,7 +1,13 @@
 """FlashAttention-2 forward and backward as Triton kernels, with a plain torch reference.
 
-    flash_attention(q, k, v, causal=True, scale=None) -> o       # differentiable
-    q, k: (B, H, T, d_qk)   v: (B, H, T, d_vo)   o: (B, H, T, d_vo), in the input dtype
+    flash_attention(q, k, v, causal=True, scale=None, documents=None) -> o   # differentiable
+    q: (B, H, T, d_qk)   k: (B, H_kv, T, d_qk)   v: (B, H_kv, T, d_vo)   o: (B, H, T, d_vo)
+    documents: (B, T) integer ids, non-decreasing along each row, or None
+
+Grouped-query attention: H_kv divides H and query head h reads key/value head h // (H / H_kv)
+(H_kv = H: plain multi-head attention; H_kv = 1: multi-query). Packed documents: key j is visible
+to query i only inside i's document (a run of equal ids), and the kernels skip every tile that
+lies wholly outside the rows' documents ("Documents" below).
 
 Head widths d_qk and d_vo are independent, 1..256 each (non-powers of two are padded inside the
 kernel to the next power of two and masked); T is any length >= 1; inputs may be non-contiguous
@@ -101,6 +107,19 @@ INTERPRETER_TILES: dict[str, dict[str, int]] = {
 # Causal: key j is visible to query i iff j <= i. Each loop is split into blocks that need no
 # mask at all (fully visible, fully inside T) and the few blocks on the diagonal or at the tail
 # of T that do; the MASKED constexpr compiles the two loop bodies separately.
+#
+# Grouped-query attention: the forward and dQ programs of query head h read K/V head h // GROUP;
+# a dK/dV program owns a key block of one K/V head and streams the query blocks of each of its
+# GROUP query heads in turn: dK, dV are sums over all of them in a fixed order, still no atomics.
+#
+# Documents: with start[t], end[t] the bounds of token t's document, key j is visible to query i
+# iff start[i] <= j < end[i] (and j <= i when causal). Rows are non-decreasing in document, so
+# start and end are non-decreasing in t and a block's range of visible keys is bounded by its
+# first and last rows: a query block [m0, m1) needs keys from start[m0] to the causal end (not
+# causal: end[m1 - 1]), and a key block [n0, n1) is needed by queries up to end[n1 - 1] (not
+# causal: from start[n0]). Blocks inside every row's document (keys from start[m1 - 1] on, before
+# end[m0]) run unmasked; the boundary blocks before and after them are masked; nothing else is
+# visited (`_query_block_keys`, `_key_block_queries`).
 # ----------------------------------------------------------------------------------------------
 
 
