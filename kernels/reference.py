@@ -161,6 +161,20 @@ def rotary_reference(
     return x * cos + rotate_half(x) * sin
 
 
+# The activations of the gated feed-forward's fused kernel (kernels/gated.py): SwiGLU, GeGLU.
+GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+_GATED_PHI = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def gated_reference(
+    gate: torch.Tensor,  # (..., N) W_gate x
+    up: torch.Tensor,  # (..., N) W_up x
+    activation: str = "silu",
+) -> torch.Tensor:  # (..., N)
+    """phi(gate) * up, the gated feed-forward's hidden layer, in the inputs' dtype."""
+    return _GATED_PHI[activation](gate) * up
+
+
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:  # (B, Hkv, T, d) -> (B, Hkv * n_rep, T, d)
     """Each key/value head repeated for the n_rep query heads of its group (head h reads key/value
     head h // n_rep)."""

@@ -355,7 +355,10 @@ def validate(cfg: Config) -> Config:
         "job), or 0 (off)",
     )
     one_of("debug.hang_how", cfg.debug.hang_how, ("sleep", "stop"))
-    kernel_names = ("", "attention", "layer_norm", "add_layer_norm", "linear_cross_entropy")
+    kernel_names = (
+        "", "attention", "layer_norm", "add_layer_norm", "rms_norm", "add_rms_norm", "rotary", "gated",
+        "linear_cross_entropy",
+    )  # fmt: skip
     one_of("debug.break_kernel", cfg.debug.break_kernel, kernel_names)
     require(
         compile_choice(t.compile) in COMPILE_CHOICES,

@@ -6,8 +6,11 @@ what each document computes alone, in process, fp32, on the torch path:
   (learned positions), llama_tiny (rotary, grouped-query attention), seed_trax (sinusoidal positions
   from 1, the bos_shift objective) and fourier_T positions, across odd lengths and one-token
   documents, with and without activation checkpointing;
+- the same through the Triton kernels (model.kernels=triton, interpreted: the flash-attention
+  kernel skipping the tiles outside the documents) for a GPT-2-family preset and llama_tiny;
 - the attention dispatch with documents is kernels.reference.document_attention_reference under
-  every model.kernels setting (Triton selected: the torch path), grouped-query heads included;
+  every model.kernels setting (Triton selected: the flash-attention kernel with the documents),
+  grouped-query heads included;
 - without documents nothing changes, and bad documents are one ValueError."""
 
 from __future__ import annotations
@@ -37,10 +40,13 @@ PRESETS = {
 LENGTHS = [[1, 5, 7, 1, 9, 1], [24]]
 
 
-def make_model(preset: str, seed: int = 0) -> Transformer:
+def make_model(preset: str, seed: int = 0, kernels: str = "auto") -> Transformer:
     name, extra = PRESETS[preset]
     torch.manual_seed(seed)
-    return moved_off_init(Transformer(compose_model(name, [*SMALL, *extra]))).float()
+    overrides = [*SMALL, *extra, f"kernels={kernels}"]
+    if kernels == "triton":
+        overrides.append("loss_impl=chunked")  # the attention is what documents change
+    return moved_off_init(Transformer(compose_model(name, overrides))).float()
 
 
 def packed_batch(lengths: list[list[int]], seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +102,17 @@ def pair_losses(model: Transformer, tokens: torch.Tensor, documents: torch.Tenso
 def test_packed_losses_and_gradients_are_each_documents_own(preset):
     """Per-pair losses, the whole loss (its weighted mean) and every gradient: the packed rows'
     against each document run alone (the documents' losses summed with their pair counts)."""
-    model = make_model(preset)
+    check_packed_losses_and_gradients(make_model(preset))
+
+
+@pytest.mark.parametrize("preset", ["gpt2-learned", "llama_tiny-rotary-gqa"])
+def test_the_triton_kernels_give_each_documents_own(preset):
+    """model.kernels=triton (interpreted): the packed rows run the flash-attention kernel with the
+    documents, each document alone the kernel without them."""
+    check_packed_losses_and_gradients(make_model(preset, kernels="triton"))
+
+
+def check_packed_losses_and_gradients(model: Transformer) -> None:
     alone = copy.deepcopy(model)
     ids, documents = packed_batch(LENGTHS)
     bos_shift = bool(model.cfg.bos_shift)
