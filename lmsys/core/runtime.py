@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from lmsys.core.choices import DTYPE_NAMES
-from lmsys.core.config import Config, divisors, either, tokens_per_sample
+from lmsys.core.config import Config, divisors, either, tokens_per_sample, validate_sequence_parallel
 from lmsys.core.errors import ConfigError, UsageError
 
 DTYPES: dict[str, torch.dtype] = dict(
@@ -157,6 +157,12 @@ class BatchSplit:
         return self.world_size // self.sequence_parallel
 
     @property
+    def rank_tokens(self) -> int:
+        """Positions one rank holds per forward: its activations' and its FLOPs' count (the
+        attention of each still reads the whole sequence's keys)."""
+        return self.micro_batch_size * self.seq_len // self.sequence_parallel
+
+    @property
     def tokens_per_step(self) -> int:
         return self.global_batch_sequences * self.seq_len
 
@@ -215,6 +221,20 @@ def split_batch(cfg: Config, world_size: int) -> BatchSplit:
         global_batch_sequences=sequences,
         sequence_parallel=p,
     )
+
+
+def sequence_parallel_sizes(cfg: Config, world_size: int) -> list[int]:
+    """The values trainer.sequence_parallel may take for cfg's model, data.seq_len, global batch
+    and micro-batch on `world_size` ranks, smallest first (1 among them when the batch splits)."""
+    sizes = []
+    for p in divisors(world_size):
+        try:
+            validate_sequence_parallel(p, cfg.model, cfg.data.seq_len)
+            split_batch(replace(cfg, trainer=replace(cfg.trainer, sequence_parallel=p)), world_size)
+        except ConfigError:
+            continue
+        sizes.append(p)
+    return sizes
 
 
 def resume_batch_split(cfg: Config, world_size: int, step: int) -> BatchSplit:

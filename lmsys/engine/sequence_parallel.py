@@ -49,6 +49,20 @@ def averaged_ranks(stage: int, batch: BatchSplit) -> int:
     return batch.world_size if stage == 3 else batch.data_parallel
 
 
+def exchanged_elements(cfg: ModelConfig, tokens: int, size: int) -> int:
+    """Elements one rank's all-to-alls move for one layer's forward, `tokens` its positions (the
+    backward moves as much again, a recomputed forward once more): the queries, keys, values and
+    output of its positions, max(Hkv, P) key/value heads when they are copied; (P - 1) / P of it
+    leaves the rank and as much arrives. 0 without sequence parallelism. What a plan adds to the
+    step time (at the all-to-all bandwidth, not overlapped with compute)."""
+    if size == 1:
+        return 0
+    dims = model_dims(cfg)
+    kv_heads = max(dims.n_kv_heads, size)
+    per_token = cfg.n_heads * (dims.d_qk + dims.d_vo) + kv_heads * (dims.d_qk + dims.d_vo)
+    return tokens * per_token * (size - 1) // size
+
+
 def sequence_parallel_groups(size: int) -> Any | None:
     """DeepSpeed's sequence-parallel groups of `size` consecutive ranks, as the `mpu` that
     deepspeed.initialize takes (every rank calls it: it forms process groups). None for size 1,
