@@ -311,18 +311,19 @@ LAUNCHES["documents"] = Launch(
 )  # fmt: skip
 # Ulysses sequence parallelism (tests/train/test_sequence_parallel.py): one group of 2 ranks
 # (trainer.sequence_parallel=2) at ZeRO-0 and ZeRO-3, for the GPT-2 family (tiny) and the Llama
-# family (llama_tiny: rotary positions, RMS norm, SwiGLU), packed documents masked, one sweep,
-# against 1 process (1proc-documents and its llama_tiny twin)
-ULYSSES = ("trainer.sequence_parallel=2", *DOCUMENTS)
+# family (llama_tiny: rotary positions, RMS norm, SwiGLU, 4 query heads over 2 key/value heads),
+# packed documents masked, one sweep, against 1 process (one sweep of both models)
+ULYSSES = ("trainer.sequence_parallel=2", "model.n_heads=4", *DOCUMENTS)
 LAUNCHES["ulysses"] = Launch(
     2,
     ("-m", "deepspeed=zero0,zero3", "model=tiny,llama_tiny", "trainer.micro_batch_size=8", *ULYSSES),
     ("ulysses-zero0-tiny", "ulysses-zero0-llama_tiny", "ulysses-zero3-tiny", "ulysses-zero3-llama_tiny"),
     "ulysses-zero${deepspeed.stage}-${model.name}",
 )
-LAUNCHES["documents1-llama"] = Launch(
-    1, ("model=llama_tiny", "trainer.micro_batch_size=8", *DOCUMENTS), ("1proc-documents-llama_tiny",),
-    "1proc-documents-llama_tiny",
+LAUNCHES["ulysses1"] = Launch(
+    1, ("-m", "model=tiny,llama_tiny", "model.n_heads=4", "trainer.micro_batch_size=8", *DOCUMENTS),
+    ("1proc-documents-heads4-tiny", "1proc-documents-heads4-llama_tiny"),
+    "1proc-documents-heads4-${model.name}",
 )  # fmt: skip
 # ... and 4 ranks: 2 groups of 2 (data parallel 2), accumulation 2, activation checkpointing,
 # ZeRO-3 and optim=muon, against 1proc-muon-zero2

@@ -5,9 +5,11 @@
   bos_shift, grouped-query attention with key/value heads split and copied, packed documents, and
   the Triton flash-attention kernel and fused loss (interpreted) inside DeepSpeed's exchange;
 - real runs (tests/train/conftest.py's matrix): 2 ranks in one group give the losses of 1 process
-  at ZeRO-0 and ZeRO-3 for tiny and llama_tiny with packed documents, and 4 ranks in 2 groups
-  (accumulation, activation checkpointing, ZeRO-3, Muon) give them too;
-- a run saved at P=2 on 2 ranks continues at P=1 on 1 process with the uninterrupted run's losses;
+  at ZeRO-0 and ZeRO-3 for tiny and llama_tiny (grouped-query) with packed documents, and 4 ranks
+  in 2 groups (accumulation, activation checkpointing, ZeRO-3, Muon, async saves) give them too;
+- a run saved at P=2 on 2 ranks continues at P=1 on 1 process with the uninterrupted run's losses,
+  and a run saved by 1 process continues at P=2 on 2 ranks with its losses;
+- lmsys-plan's predicted growth of a rank's peak from T to 4T is the measured one's within 10%;
 - bad settings are one error line each, before any process group forms.
 """
 
@@ -23,6 +25,8 @@ import pytest
 from lmsys.core.config import compose
 from lmsys.core.errors import ConfigError
 from lmsys.core.runtime import resume_batch_split, split_batch
+from lmsys.training.devices import cpu_device, device_spec
+from lmsys.training.planning import plan_launch
 from tests.train.conftest import TORCHRUN, Run, child_env, copy_run, run_train
 from tests.train.test_matrix import assert_losses_close
 from tests.train.ulysses_probe import CASES as PROBE_CASES
@@ -55,7 +59,7 @@ def assert_same_training(run: Run, reference: Run) -> None:
 @pytest.mark.parametrize("stage", [0, 3], ids=["zero0", "zero3"])
 @pytest.mark.parametrize("model", ["tiny", "llama_tiny"])
 def test_two_ranks_in_one_group_give_the_losses_of_one_process(runs, stage, model):
-    reference = "1proc-documents" if model == "tiny" else "1proc-documents-llama_tiny"
+    reference = f"1proc-documents-heads4-{model}"
     run = runs.get(f"ulysses-zero{stage}-{model}").check()
     assert_same_training(run, runs.get(reference).check())
     assert "Ulysses sequence parallel 2" in run.stdout
@@ -92,6 +96,22 @@ def test_a_run_saved_at_p2_continues_at_p1_on_one_process(runs, tmp_path):
         assert run.losses()[step] == pytest.approx(want[step], rel=1e-5), (run.losses(), want)
 
 
+@pytest.mark.slow
+def test_a_run_saved_at_p1_continues_at_p2_on_two_ranks(runs, tmp_path):
+    """The 1-process run's step-4 checkpoint (ZeRO-2, packed documents) continued by 2 ranks in one
+    group of 2: steps 5 and 6 are the uninterrupted 1-process run's."""
+    source = runs.get("1proc-documents").check()
+    run_dir = copy_run(source, tmp_path / "run")
+    shutil.rmtree(run_dir / "checkpoints" / "step_0000006")
+    overrides = [*runs.overrides("1proc-documents"), "trainer.sequence_parallel=2"]
+    run = run_train("continued", 2, overrides, run_dir, cwd=tmp_path).check()
+    assert "(step 4; resharded from ZeRO-2 on 1 rank(s), fp32, to ZeRO-2 on 2, fp32)" in run.stdout
+    assert "Ulysses sequence parallel 2" in run.stdout
+    want = source.losses()
+    for step in (5, 6):
+        assert run.losses()[step] == pytest.approx(want[step], rel=1e-5), (run.losses(), want)
+
+
 def confirmed_peaks(run: Run) -> list[int]:
     """Each rank's traced peak less the blocks whose free went unseen: buffers of the collectives
     (the all-to-alls', the gradients' all-reduce) that gloo's threads let go of after the call."""
@@ -107,6 +127,51 @@ def test_activation_memory_per_rank_grows_about_half_as_fast_at_p2(runs):
         short, long = (confirmed_peaks(runs.get(f"ulysses-memory-p{p}-t{t}").check()) for t in (512, 2048))
         growth[p] = max(b - a for a, b in zip(short, long, strict=True))
     assert 0.4 * growth[1] < growth[2] <= 0.6 * growth[1], growth
+
+
+def planned_peak(runs, p: int, t: int) -> int:
+    """lmsys-plan's peak per rank for the traced run at P=p, T=t (2 ranks of this CPU)."""
+    case = f"ulysses-memory-p{p}-t{t}"
+    cfg = compose([*runs.overrides(case), f"trainer.sequence_parallel={p}", f"data.seq_len={t}"])
+    return plan_launch(cfg, 2, cpu_device(), cpu_rate=1e10, suggest=False).peak_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("p", [1, 2])
+def test_the_plan_predicts_the_growth_from_t_to_4t_within_ten_percent(runs, p):
+    """The plan counts a rank's T/P positions (each attending over all T): its predicted growth of
+    the peak per rank from T=512 to 4T is the measured one's within 10%, at P=1 and at P=2."""
+    short, long = (confirmed_peaks(runs.get(f"ulysses-memory-p{p}-t{t}").check()) for t in (512, 2048))
+    measured = max(b - a for a, b in zip(short, long, strict=True))
+    predicted = planned_peak(runs, p, 2048) - planned_peak(runs, p, 512)
+    assert predicted == pytest.approx(measured, rel=0.10), (predicted, measured)
+
+
+def test_the_plan_counts_a_ranks_share_and_suggests_sequence_parallelism():
+    """llama3_2_1b at T=688,128 on 8 H100: at P=1 it does not fit, and the suggestions name the
+    sequence-parallel sizes that do; at P=8 a rank's activations are an eighth, and the step time
+    carries the all-to-alls."""
+    t = 688_128
+    base = [
+        "model=llama3_2_1b",
+        f"data.seq_len={t}",
+        f"model.max_seq_len={t}",
+        "trainer.micro_batch_size=1",
+        f"trainer.global_batch_tokens={8 * t}",
+        "deepspeed=zero3",
+        "deepspeed.activation_checkpointing=true",
+    ]
+    whole = plan_launch(compose(base), 8, device_spec("h100"))
+    assert not whole.fits
+    fitting = {s.change for s in whole.suggestions if s.fits}
+    assert {f"trainer.sequence_parallel={p}" for p in (2, 4, 8)} <= fitting
+    sharded = plan_launch(compose([*base, "trainer.sequence_parallel=8"]), 8, device_spec("h100"))
+    assert sharded.fits
+    assert sharded.components["activations"] == pytest.approx(whole.components["activations"] / 8, rel=1e-9)
+    assert sharded.batch.grad_accum == 8 * whole.batch.grad_accum
+    assert sharded.flops_per_step == pytest.approx(whole.flops_per_step)  # each rank's share of the step
+    assert "sequence parallelism's all-to-alls add" in sharded.mfu_source
+    assert sharded.step_time_s > whole.step_time_s
 
 
 # ----------------------------------------------------------------------------- bad settings
