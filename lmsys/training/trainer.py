@@ -295,7 +295,7 @@ class Trainer:
         self.stop.armed = True
         stop: str | None = None
         try:
-            with self.report.steps(self.start_step + 1, t.max_steps):
+            with self.report.steps(self.start_step + 1, t.max_steps, t.eval_interval):
                 n = self.start_step
                 while n < t.max_steps:
                     n += 1
@@ -306,8 +306,10 @@ class Trainer:
                         n = self.state.step
                         continue
                     if n % t.eval_interval == 0 or n == t.max_steps:
+                        eval_started = time.perf_counter()
                         self.last_val = self.evaluate()
-                        self.report.eval_done(EvalRecord.of(n, self.last_val), step.loss, self.val_coverage())
+                        record = EvalRecord.of(n, self.last_val, time.perf_counter() - eval_started)
+                        self.report.eval_done(record, step.loss, self.val_coverage())
                     if n % t.save_interval == 0 or n == t.max_steps:
                         self.save()
                     if step.stop is not None and n < t.max_steps:
