@@ -92,7 +92,6 @@ class Trainer:
         # dynamo's counters are process-wide (a sweep's jobs share a process): this run counts from here
         self.compile_start = compile_stats() if self.engine_info.compiled else None
         self.loader = train_loader(cfg, setup, data)
-        self.shard = batch.shard(setup.rank)  # this rank's positions of every sequence
         self.state = new_train_state(cfg, setup, data.tokenizer_sha256)
         # the stream steps never trained on: those a rewind skipped, in this launch or before it
         self.skipped = set(rundir.skipped_data_steps(self.run_dir))
@@ -166,11 +165,10 @@ class Trainer:
     # -- one optimizer step -------------------------------------------------------------------
 
     def _prediction_weight(self, batch: Batch) -> float:
-        """The sum of the loss weights the model's objective uses for this rank's part of the
-        micro-batch (under sequence parallelism its positions of the group's whole rows)."""
+        """The sum of the loss weights of this rank's positions of the micro-batch (its part of them)."""
         _, _, weights = next_token_pairs(self.cfg.model, batch.tokens, batch.weights, batch.documents)
         assert weights is not None
-        return float(self.shard.part(weights).sum().item())
+        return float(self.setup.batch.shard(self.setup.rank).part(weights).sum().item())
 
     def _global_weight(self, weights: list[float], loader_step: int) -> float:
         """The loss weights of the whole step, over every rank's micro-batches."""
@@ -205,10 +203,8 @@ class Trainer:
             loss = engine(on_device.tokens, on_device.weights, on_device.documents)
             loss = hooks.after_forward(n, i, loss)
             totals[0] += loss.detach().double() * weights[i]
-            # DeepSpeed averages the micro-batch gradients of the ranks (under sequence parallelism
-            # of the groups at ZeRO 0-2, each group's summed: EngineInfo.averaged_ranks): scaling
-            # each by its share of the step's weights times their count makes that average the
-            # weighted mean's.
+            # DeepSpeed averages the micro-batch gradients over EngineInfo.averaged_ranks: scaling each
+            # by its share of the step's weights times that count makes the average the weighted mean's.
             scale = weights[i] * micro_batches / global_weight if global_weight > 0 else 0.0
             hooks.at(n, "backward", i)
             engine.backward(loss if scale == 1.0 else loss * scale)
