@@ -3,14 +3,15 @@
 - the model's math: on 4 ranks (tests/train/ulysses_probe.py), in groups of 4 and of 2, the loss
   and every gradient are the single-device model's, for learned, sinusoidal and rotary positions,
   bos_shift, grouped-query attention with key/value heads split and copied, packed documents, and
-  the Triton flash-attention kernel and fused loss (interpreted) inside DeepSpeed's exchange;
+  the Triton kernels (flash attention, with grouped heads and documents too; the fused loss; the
+  Llama family's), interpreted, inside DeepSpeed's exchange;
 - real runs (tests/train/conftest.py's matrix): 2 ranks in one group give the losses of 1 process
   at ZeRO-0 and ZeRO-3 for tiny and llama_tiny (grouped-query) with packed documents, and 4 ranks
   in 2 groups (accumulation, activation checkpointing, ZeRO-3, Muon, async saves) give them too;
 - a run saved at P=2 on 2 ranks continues at P=1 on 1 process with the uninterrupted run's losses,
   and a run saved by 1 process continues at P=2 on 2 ranks with its losses;
 - lmsys-plan's predicted growth of a rank's peak from T to 4T is the measured one's within 10%;
-- bad settings are one error line each, before any process group forms.
+- bad settings are one error line each, before any process group forms (the trainer's line too).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -220,6 +222,19 @@ def test_a_model_or_sequence_that_does_not_split_is_one_error(overrides, needle)
     with pytest.raises(ConfigError) as caught:
         compose(overrides)
     assert str(caught.value) == needle
+
+
+def test_a_size_that_does_not_divide_the_world_is_one_line_from_the_trainer(tmp_path):
+    """1 process at P=2: one error line, exit 2, before any process group, data or run directory."""
+    command = [sys.executable, "-m", "lmsys.train", *small("trainer.sequence_parallel=2"),
+               f"data.dir={tmp_path / 'absent'}", f"trainer.run_dir={tmp_path / 'run'}"]  # fmt: skip
+    proc = subprocess.run(command, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "lmsys-train: error: trainer.sequence_parallel=2 does not divide the world size 1: the ranks form "
+        "groups of 2; launch a multiple of 2 ranks or use trainer.sequence_parallel=1"
+    ]
+    assert list(tmp_path.iterdir()) == []  # no run directory, no Hydra output
 
 
 def test_the_batch_arithmetic_counts_groups():

@@ -40,6 +40,13 @@ CASES = {
     "seed_trax-p2": ("seed_trax", ["n_heads=4"], 2, False),
     # the Triton flash-attention kernel (interpreted on CPU) inside the exchange
     "gpt2-triton-p2": ("tiny", ["n_heads=2", "kernels=triton"], 2, False),
+    # ... and the Llama family's kernels, grouped heads and packed documents in it
+    "llama-gqa-triton-p2-documents": (
+        "llama_tiny",
+        ["n_heads=4", "attention.n_kv_heads=2", "kernels=triton"],
+        2,
+        True,
+    ),
 }
 
 
