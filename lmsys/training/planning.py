@@ -38,8 +38,9 @@ import torch
 
 from lmsys.core.config import Config
 from lmsys.core.errors import ConfigError
-from lmsys.core.runtime import BatchSplit, split_batch
+from lmsys.core.runtime import BatchSplit, sequence_parallel_sizes, split_batch
 from lmsys.engine.memory import StepMemory, step_memory
+from lmsys.engine.sequence_parallel import exchanged_elements
 from lmsys.model.shapes import model_shapes
 from lmsys.training.devices import GIB, GPUS, Device, cpu_device, cpu_flops, device_peak_flops
 
@@ -202,7 +203,7 @@ def memory_components(
         world,
         cuda=device.kind == "cuda",
         p=p,
-        tokens=batch.micro_batch_size * batch.seq_len,
+        tokens=batch.rank_tokens,  # T/P positions per sequence under sequence parallelism
         loss_impl=loss_impl_of(cfg, device),
         grad_accum=batch.grad_accum,
         batch_bytes=2 * 8 * batch.micro_batch_size * batch.tokens_per_sample,  # inputs, targets
@@ -240,7 +241,7 @@ def step_time(
 ) -> tuple[float, float, float | None, str]:
     """(seconds per optimizer step, FLOPs per step per rank, MFU, where the rate comes from)."""
     shapes = model_shapes(cfg)
-    tokens = batch.micro_batch_size * batch.seq_len * batch.grad_accum  # per rank per step
+    tokens = batch.rank_tokens * batch.grad_accum  # per rank per step
     per_token = shapes.flops_per_token
     if cfg.deepspeed.activation_checkpointing:
         per_token += shapes.recompute_flops_per_token
@@ -265,12 +266,15 @@ def step_time(
     if world > GPUS_PER_NODE:
         link = INTER_NODE_BYTES_PER_S
     offload = offload_time_s(cfg, world, device, batch)
-    seconds = max(compute, comm_bytes / link) + offload
+    exchange = exchange_time_s(cfg, device, batch)
+    seconds = max(compute, comm_bytes / link) + offload + exchange
     mfu = flops / seconds / peak
     source = (
         f"MFU assumed {MFU_ASSUMED:.0%} of {device.label}'s dense peak "
         "(lmsys.training.planning.MFU_ASSUMED), communication overlapped"
     )
+    if exchange:
+        source += f"; sequence parallelism's all-to-alls add {exchange:.3g} s a step, not overlapped"
     if offload:
         source += (
             f"; offload adds {offload:.3g} s a step, not overlapped: the host's Adam at "
@@ -279,6 +283,19 @@ def step_time(
             "(lmsys.training.devices)"
         )
     return seconds, flops, mfu, source
+
+
+def exchange_time_s(cfg: Config, device: Device, batch: BatchSplit) -> float:
+    """Seconds a step spends in sequence parallelism's all-to-alls on a GPU, per rank: every
+    layer's forward and backward (and recomputed forward) exchange, in series with the compute,
+    over the node's links (a group stays within a node). 0 without it and on a CPU."""
+    if device.kind != "cuda" or batch.sequence_parallel == 1:
+        return 0.0
+    passes = batch.grad_accum * (3 if cfg.deepspeed.activation_checkpointing else 2)
+    elements = exchanged_elements(cfg.model, batch.rank_tokens, batch.sequence_parallel)
+    p = 4 if precision_of(cfg, device) == "fp32" else 2
+    link = device.interconnect_bytes_per_s or INTER_NODE_BYTES_PER_S
+    return passes * cfg.model.n_layers * elements * p / link
 
 
 def host_share(device: Device, world: int) -> float:
@@ -360,11 +377,11 @@ def _candidates(cfg: Config, world: int) -> list[tuple[str, Config]]:
     t, ds, m = cfg.trainer, cfg.deepspeed, cfg.model
     found: list[tuple[str, Config]] = []
     sequences = t.global_batch_tokens // cfg.data.seq_len
-    micro = t.micro_batch_size
+    micro, groups = t.micro_batch_size, world // t.sequence_parallel
     while micro > 1:
         micro //= 2
-        if sequences % (micro * world) == 0:
-            accum = sequences // (micro * world)
+        if sequences % (micro * groups) == 0:
+            accum = sequences // (micro * groups)
             found.append(
                 (
                     f"trainer.micro_batch_size={micro} (accumulation {accum})",
@@ -378,6 +395,10 @@ def _candidates(cfg: Config, world: int) -> list[tuple[str, Config]]:
                 _with(cfg, deepspeed={"activation_checkpointing": True}),
             )
         )
+    for size in sequence_parallel_sizes(cfg, world):  # each rank holds T/P of every sequence
+        if size > t.sequence_parallel:
+            sharded = _with(cfg, trainer={"sequence_parallel": size})
+            found.append((f"trainer.sequence_parallel={size}", sharded))
     if m.loss_impl == "full":
         found.append(("model.loss_impl=chunked", _with(cfg, model={"loss_impl": "chunked"})))
     for stage in range(ds.stage + 1, 4):

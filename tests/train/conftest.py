@@ -309,6 +309,47 @@ LAUNCHES["documents"] = Launch(
     ("2proc-zero2-documents", "2proc-zero3-documents"),
     "2proc-zero${deepspeed.stage}-documents",
 )  # fmt: skip
+# Ulysses sequence parallelism (tests/train/test_sequence_parallel.py): one group of 2 ranks
+# (trainer.sequence_parallel=2) at ZeRO-0 and ZeRO-3, for the GPT-2 family (tiny) and the Llama
+# family (llama_tiny: rotary positions, RMS norm, SwiGLU, 4 query heads over 2 key/value heads),
+# packed documents masked, one sweep, against 1 process (one sweep of both models)
+ULYSSES = ("trainer.sequence_parallel=2", "model.n_heads=4", *DOCUMENTS)
+LAUNCHES["ulysses"] = Launch(
+    2,
+    ("-m", "deepspeed=zero0,zero3", "model=tiny,llama_tiny", "trainer.micro_batch_size=8", *ULYSSES),
+    ("ulysses-zero0-tiny", "ulysses-zero0-llama_tiny", "ulysses-zero3-tiny", "ulysses-zero3-llama_tiny"),
+    "ulysses-zero${deepspeed.stage}-${model.name}",
+)
+LAUNCHES["ulysses1"] = Launch(
+    1, ("-m", "model=tiny,llama_tiny", "model.n_heads=4", "trainer.micro_batch_size=8", *DOCUMENTS),
+    ("1proc-documents-heads4-tiny", "1proc-documents-heads4-llama_tiny"),
+    "1proc-documents-heads4-${model.name}",
+)  # fmt: skip
+# ... and 4 ranks: 2 groups of 2 (data parallel 2), accumulation 2, activation checkpointing,
+# ZeRO-3 and optim=muon, against 1proc-muon-zero2
+LAUNCHES["ulysses4"] = Launch(
+    4,
+    ("deepspeed=zero3", "trainer.micro_batch_size=2", "trainer.sequence_parallel=2",
+     "deepspeed.activation_checkpointing=true", *MUON),
+    ("ulysses4-zero3-accum2-actckpt-muon",),
+    "ulysses4-zero3-accum2-actckpt-muon",
+)  # fmt: skip
+# ... and the activation memory per rank at P=1 and P=2, sequences of T=512 and 4T on 2 ranks,
+# traced (trainer.trace_memory): micro-batches of 1 sequence, ZeRO-0, 2 steps
+MEMORY = ("model.d_model=64", "model.ffn.d_ff=128", "model.max_seq_len=2048", "trainer.max_steps=2",
+          "trainer.micro_batch_size=1", "trainer.global_batch_tokens=4096", "trainer.trace_memory=true",
+          "trainer.eval_batches=1", "deepspeed=zero0")  # fmt: skip
+LAUNCHES["ulysses-memory"] = Launch(
+    2,
+    ("-m", "trainer.sequence_parallel=1,2", "data.seq_len=512,2048", *MEMORY),
+    (
+        "ulysses-memory-p1-t512",
+        "ulysses-memory-p1-t2048",
+        "ulysses-memory-p2-t512",
+        "ulysses-memory-p2-t2048",
+    ),
+    "ulysses-memory-p${trainer.sequence_parallel}-t${data.seq_len}",
+)
 CASES = {case: launch for launch, spec in LAUNCHES.items() for case in spec.cases}
 
 
@@ -331,6 +372,8 @@ class RunCache:
             plain.append("model=seed_gpt")
         elif case.endswith("-tiny"):
             plain.append("model=tiny")
+        elif case.endswith("-llama_tiny") and "model=llama_tiny" not in plain:
+            plain.append("model=llama_tiny")
         for o in spec.overrides:
             if o.startswith("deepspeed=zero") and "," in o:  # a sweep over stages: this case's
                 stage = re.search(r"zero(\d)", case)
