@@ -348,7 +348,8 @@ def run_task(task: Task) -> dict:
         in_flight = round(analysis.loop_ldg_bytes * useful) * resident
     cubin_path = None
     if task.dump_dir is not None:
-        stem = f"{row['kernel']}-{row['arch']}-{row['dtype']}-{row['case']}-{row['config']}"
+        # a case may hold a slash (grouped heads: h32/8); one flat file name per row
+        stem = f"{row['kernel']}-{row['arch']}-{row['dtype']}-{row['case']}-{row['config']}".replace("/", "_")
         cubin_path = str(Path(task.dump_dir) / f"{stem}.cubin")
         Path(cubin_path).write_bytes(binary.cubin)
     return row | {
@@ -443,7 +444,11 @@ def row_key(row: dict) -> tuple[str, str, str, str, str]:
 
 def run_tasks(tasks: list[Task], jobs: int) -> list[dict]:
     rows = []
-    with tempfile.TemporaryDirectory(prefix="kernels-inspect-cache-") as cache_dir:
+    # the workers stop before their cache goes: a failed compilation's own error is what is
+    # reported, not the cache's removal under a worker still writing to it
+    cache = tempfile.TemporaryDirectory(prefix="kernels-inspect-cache-", ignore_cleanup_errors=True)
+    with cache as cache_dir:
+        pool = None
         if jobs <= 1:
             _worker_init(cache_dir)
             results = map(run_task, tasks)
@@ -453,13 +458,15 @@ def run_tasks(tasks: list[Task], jobs: int) -> list[dict]:
             )
             results = pool.map(run_task, tasks, chunksize=1)
         start = time.perf_counter()
-        for i, row in enumerate(results, 1):
-            rows.append(row)
-            if i % 20 == 0 or i == len(tasks):
-                elapsed = time.perf_counter() - start
-                print(f"  compiled {i}/{len(tasks)} ({elapsed:.0f} s)", file=sys.stderr, flush=True)
-        if jobs > 1:
-            pool.shutdown()
+        try:
+            for i, row in enumerate(results, 1):
+                rows.append(row)
+                if i % 20 == 0 or i == len(tasks):
+                    elapsed = time.perf_counter() - start
+                    print(f"  compiled {i}/{len(tasks)} ({elapsed:.0f} s)", file=sys.stderr, flush=True)
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
     return rows
 
 
