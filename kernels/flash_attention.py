@@ -1,7 +1,13 @@
 """FlashAttention-2 forward and backward as Triton kernels, with a plain torch reference.
 
-    flash_attention(q, k, v, causal=True, scale=None) -> o       # differentiable
-    q, k: (B, H, T, d_qk)   v: (B, H, T, d_vo)   o: (B, H, T, d_vo), in the input dtype
+    flash_attention(q, k, v, causal=True, scale=None, documents=None) -> o   # differentiable
+    q: (B, H, T, d_qk)   k: (B, H_kv, T, d_qk)   v: (B, H_kv, T, d_vo)   o: (B, H, T, d_vo)
+    documents: (B, T) integer ids, non-decreasing along each row, or None
+
+Grouped-query attention: H_kv divides H and query head h reads key/value head h // (H / H_kv)
+(H_kv = H: plain multi-head attention; H_kv = 1: multi-query). Packed documents: key j is visible
+to query i only inside i's document (a run of equal ids), and the kernels skip every tile that
+lies wholly outside the rows' documents ("Documents" below).
 
 Head widths d_qk and d_vo are independent, 1..256 each (non-powers of two are padded inside the
 kernel to the next power of two and masked); T is any length >= 1; inputs may be non-contiguous
@@ -27,7 +33,7 @@ descriptors when their layout allows (16-byte aligned base and strides, unit las
 elsewhere, and on sm_80, through pointers (cp.async). Under the Triton CPU
 interpreter (TRITON_INTERPRET=1) tuning would run every config through a Python emulator, so
 one small fixed tiling (`INTERPRETER_TILES`) is used instead; the kernel code is the same on
-both, and the interpreter also runs the descriptor path (tests/kernels/test_attention_paths.py).
+both, and the interpreter also runs the descriptor path (tests/unit/kernels/test_attention_paths.py).
 """
 
 from __future__ import annotations
@@ -101,6 +107,19 @@ INTERPRETER_TILES: dict[str, dict[str, int]] = {
 # Causal: key j is visible to query i iff j <= i. Each loop is split into blocks that need no
 # mask at all (fully visible, fully inside T) and the few blocks on the diagonal or at the tail
 # of T that do; the MASKED constexpr compiles the two loop bodies separately.
+#
+# Grouped-query attention: the forward and dQ programs of query head h read K/V head h // GROUP;
+# a dK/dV program owns a key block of one K/V head and streams the query blocks of each of its
+# GROUP query heads in turn: dK, dV are sums over all of them in a fixed order, still no atomics.
+#
+# Documents: with start[t], end[t] the bounds of token t's document, key j is visible to query i
+# iff start[i] <= j < end[i] (and j <= i when causal). Rows are non-decreasing in document, so
+# start and end are non-decreasing in t and a block's range of visible keys is bounded by its
+# first and last rows: a query block [m0, m1) needs keys from start[m0] to the causal end (not
+# causal: end[m1 - 1]), and a key block [n0, n1) is needed by queries up to end[n1 - 1] (not
+# causal: from start[n0]). Blocks inside every row's document (keys from start[m1 - 1] on, before
+# end[m0]) run unmasked; the boundary blocks before and after them are masked; nothing else is
+# visited (`_query_block_keys`, `_key_block_queries`).
 # ----------------------------------------------------------------------------------------------
 
 
@@ -168,6 +187,108 @@ def _load_rows(
 
 
 @triton.jit
+def _document_visible(
+    cols,  # (BLOCK_N,) int32 key rows
+    rows,  # (BLOCK_M,) int32 query rows
+    doc_lo,  # (BLOCK_M,) int32 first key of each query's document
+    doc_hi,  # (BLOCK_M,) int32 end (exclusive) of each query's document
+    T,  # int: sequence length
+    CAUSAL: tl.constexpr,
+):
+    """(BLOCK_M, BLOCK_N) bool: key j is visible to query i, in i's document (and j <= i)."""
+    visible = (cols[None, :] < T) & (cols[None, :] >= doc_lo[:, None])
+    if CAUSAL:
+        visible = visible & (cols[None, :] <= rows[:, None])
+    else:
+        visible = visible & (cols[None, :] < doc_hi[:, None])
+    return visible
+
+
+@triton.jit
+def _tiles(lo, hi, STEP: tl.constexpr):
+    """Steps of `range(lo, hi, STEP)`: the tiles a loop over [lo, hi) visits."""
+    return (tl.maximum(hi - lo, 0) + STEP - 1) // STEP
+
+
+@triton.jit
+def _query_block_keys(
+    DOC_START,  # pointer: (B, T) int32 first token of each token's document, or None
+    DOC_END,  # pointer: (B, T) int32 end (exclusive) of each token's document, or None
+    off_b,  # int64 batch index
+    start_m,  # int32 first query row of the block
+    T,  # int: sequence length
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+):
+    """The key blocks a query block visits, as (lo, full_lo, full_hi, hi): [lo, full_lo) and
+    [full_hi, hi) need a mask, [full_lo, full_hi) none (every key visible to every row, inside T).
+
+    Causal: keys up to the diagonal; else every key. With documents the range starts at the
+    block's first query's document start (no earlier key is visible to any of its rows) and,
+    not causal, ends at its last query's document end; a key block needs no mask when it lies
+    inside every row's document: at or after the last row's document start, before the first
+    row's document end."""
+    if CAUSAL:
+        hi = tl.minimum(start_m + BLOCK_M, T)
+        # key block [n, n + BLOCK_N) is visible to every row iff n + BLOCK_N <= start_m + 1
+        full_hi = ((start_m + 1) // BLOCK_N) * BLOCK_N
+    else:
+        hi = T
+        full_hi = (T // BLOCK_N) * BLOCK_N
+    lo = 0
+    full_lo = 0
+    if HAS_DOCS:
+        docs = DOC_START + off_b * T
+        last_m = tl.minimum(start_m + BLOCK_M, T) - 1
+        lo = (tl.load(docs + start_m) // BLOCK_N) * BLOCK_N
+        full_lo = tl.minimum(tl.cdiv(tl.load(docs + last_m), BLOCK_N) * BLOCK_N, hi)
+        ends = DOC_END + off_b * T
+        if not CAUSAL:
+            hi = tl.load(ends + last_m)
+        full_hi = tl.maximum(tl.minimum(full_hi, (tl.load(ends + start_m) // BLOCK_N) * BLOCK_N), full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _key_block_queries(
+    DOC_START,  # pointer: (B, T) int32 first token of each token's document, or None
+    DOC_END,  # pointer: (B, T) int32 end (exclusive) of each token's document, or None
+    off_b,  # int64 batch index
+    start_n,  # int32 first key row of the block
+    T,  # int: sequence length
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+):
+    """The query blocks a key block visits, as (lo, mid_lo, mid_hi, end): [lo, min(mid_lo, end))
+    straddle the diagonal or the block's documents' starts, [mid_lo, mid_hi) need no mask,
+    [max(mid_lo, mid_hi), end) hold the tail of T or of the documents (or are still on the
+    diagonal). With documents the range ends at the block's last key's document end and, not
+    causal, starts at its first key's document start."""
+    end = tl.cdiv(T, BLOCK_M) * BLOCK_M
+    mid_hi = (T // BLOCK_M) * BLOCK_M
+    lo = 0
+    mid_lo = 0
+    if CAUSAL:
+        lo = (start_n // BLOCK_M) * BLOCK_M  # earlier query blocks see none of these keys
+        # first block whose first row is >= the block's last key row
+        mid_lo = tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M
+    if HAS_DOCS:
+        last_n = tl.minimum(start_n + BLOCK_N, T) - 1
+        starts = DOC_START + off_b * T
+        ends = DOC_END + off_b * T
+        end = tl.load(ends + last_n)
+        mid_hi = (tl.load(ends + start_n) // BLOCK_M) * BLOCK_M
+        if not CAUSAL:  # causal: a key's own document starts at or before it
+            lo = (tl.load(starts + start_n) // BLOCK_M) * BLOCK_M
+            mid_lo = tl.cdiv(tl.load(starts + last_n), BLOCK_M) * BLOCK_M
+    return lo, mid_lo, mid_hi, end
+
+
+@triton.jit
 def _attn_fwd_inner(
     acc,  # (BLOCK_M, BLOCK_DVO) fp32 unnormalised output
     l_i,  # (BLOCK_M,) fp32 running softmax denominator
@@ -188,6 +309,8 @@ def _attn_fwd_inner(
     qk_scale,  # fp32 >= 0: |softmax scale| * log2(e)
     lo,  # first key row of the loop (multiple of BLOCK_N)
     hi,  # loop end (exclusive)
+    doc_lo,  # (BLOCK_M,) int32 first key of each row's document (DOCS only)
+    doc_hi,  # (BLOCK_M,) int32 end of each row's document (DOCS only)
     D_QK: tl.constexpr,
     D_VO: tl.constexpr,
     BLOCK_DQK: tl.constexpr,
@@ -197,6 +320,7 @@ def _attn_fwd_inner(
     MASKED: tl.constexpr,  # False: every key in [lo, hi) is < T and visible to every row
     KV_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOCS: tl.constexpr = False,  # the masked blocks also hide keys outside each row's document
 ):
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
@@ -206,7 +330,15 @@ def _attn_fwd_inner(
             BLOCK_N, D_QK, BLOCK_DQK, MASKED, KV_TMA,
         )  # fmt: skip
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) unscaled logits
-        if MASKED:
+        if MASKED and DOCS:
+            visible = _document_visible(cols, offs_m, doc_lo, doc_hi, T, CAUSAL)
+            s = tl.where(visible, qk * qk_scale, float("-inf"))  # (BLOCK_M, BLOCK_N) base-2 logits
+            # A boundary block may hide every key from a row that has seen none yet: its max is
+            # then -inf, and 0 stands in for it so that exp2(-inf - 0) = 0 rather than NaN.
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # (BLOCK_M,)
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_new[:, None])  # (BLOCK_M, BLOCK_N)
+        elif MASKED:
             visible = cols[None, :] < T
             if CAUSAL:
                 visible = visible & (cols[None, :] <= offs_m[:, None])
@@ -242,6 +374,9 @@ def _attn_fwd_kernel(
     LSE,  # pointer: (B, H, T) contiguous fp32 output, base-2 log-sum-exp of each row's logits
     K_DESC,  # TensorDescriptor of K (B, H, T, D_QK), block (1, 1, BLOCK_N, BLOCK_DQK); None: use K
     V_DESC,  # TensorDescriptor of V (B, H, T, D_VO), block (1, 1, BLOCK_N, BLOCK_DVO); None: use V
+    DOC_START,  # pointer: (B, T) int32 first token of each token's document; None without documents
+    DOC_END,  # pointer: (B, T) int32 end (exclusive) of each token's document; None without documents
+    TILES,  # pointer: int32 out, the tiles each program visits (COUNT_TILES only; else None)
     stride_qb,  # Q stride over B
     stride_qh,  # Q stride over H
     stride_qt,  # Q stride over T
@@ -272,6 +407,9 @@ def _attn_fwd_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32), ignored for fp16/bf16
     BLOCK_M: tl.constexpr,  # query rows per program
     BLOCK_N: tl.constexpr,  # key rows per loop step
+    GROUP: tl.constexpr = 1,  # query heads per key/value head: head h reads K/V head h // GROUP
+    HAS_DOCS: tl.constexpr = False,  # DOC_START / DOC_END bound each row's keys to its document
+    COUNT_TILES: tl.constexpr = False,  # store the key blocks each program visits to TILES
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs blocks of at least 16 rows")
     tl.static_assert(BLOCK_DQK >= D_QK and BLOCK_DVO >= D_VO, "padded head width below the real one")
@@ -280,11 +418,13 @@ def _attn_fwd_kernel(
     start_m = tl.program_id(0) * BLOCK_M
     pid_h = tl.program_id(1)
     pid_b = tl.program_id(2)
+    pid_kv = pid_h // GROUP if GROUP > 1 else pid_h  # the key/value head of this query head
     off_h = pid_h.to(tl.int64)
+    off_kv = pid_kv.to(tl.int64)
     off_b = pid_b.to(tl.int64)
     q_base = Q + off_b * stride_qb + off_h * stride_qh
-    k_base = K + off_b * stride_kb + off_h * stride_kh
-    v_base = V + off_b * stride_vb + off_h * stride_vh
+    k_base = K + off_b * stride_kb + off_kv * stride_kh
+    v_base = V + off_b * stride_vb + off_kv * stride_vh
     o_base = O + off_b * stride_ob + off_h * stride_oh
     lse_base = LSE + (off_b * H + off_h) * T
 
@@ -305,24 +445,37 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DVO], dtype=tl.float32)  # fp32 accumulation whatever the input
 
-    # Key blocks entirely below the diagonal (causal) or entirely inside T need no mask.
-    if CAUSAL:
-        hi = tl.minimum(start_m + BLOCK_M, T)
-        # key block [n, n + BLOCK_N) is visible to every row iff n + BLOCK_N <= start_m + 1
-        full_end = ((start_m + 1) // BLOCK_N) * BLOCK_N
-    else:
-        hi = T
-        full_end = (T // BLOCK_N) * BLOCK_N
+    # Key blocks entirely below the diagonal (causal), inside T and inside every row's document
+    # need no mask; blocks outside the rows' documents are not visited at all.
+    lo, full_lo, full_hi, hi = _query_block_keys(
+        DOC_START, DOC_END, off_b, start_m, T, BLOCK_M, BLOCK_N, CAUSAL, HAS_DOCS
+    )
+    doc_lo = offs_m  # unused without documents
+    doc_hi = offs_m
+    if HAS_DOCS:
+        # Padding rows (>= T) see every key, as without documents: never an empty row.
+        doc_lo = tl.load(DOC_START + off_b * T + offs_m, mask=offs_m < T, other=0)  # (BLOCK_M,)
+        doc_hi = tl.load(DOC_END + off_b * T + offs_m, mask=offs_m < T, other=T)  # (BLOCK_M,)
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, K_DESC, V_DESC, pid_b, pid_kv, stride_kt, stride_vt,
+            offs_m, offs_dqk, offs_dvo, T, qk_scale, lo, full_lo, doc_lo, doc_hi,
+            D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_N, CAUSAL, True, KV_TMA, DOT_PRECISION, True,
+        )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, K_DESC, V_DESC, pid_b, pid_h, stride_kt, stride_vt,
-        offs_m, offs_dqk, offs_dvo, T, qk_scale, 0, full_end,
-        D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_N, CAUSAL, False, KV_TMA, DOT_PRECISION,
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, K_DESC, V_DESC, pid_b, pid_kv, stride_kt, stride_vt,
+        offs_m, offs_dqk, offs_dvo, T, qk_scale, full_lo, full_hi, doc_lo, doc_hi,
+        D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_N, CAUSAL, False, KV_TMA, DOT_PRECISION, HAS_DOCS,
     )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, K_DESC, V_DESC, pid_b, pid_h, stride_kt, stride_vt,
-        offs_m, offs_dqk, offs_dvo, T, qk_scale, full_end, hi,
-        D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_N, CAUSAL, True, KV_TMA, DOT_PRECISION,
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, K_DESC, V_DESC, pid_b, pid_kv, stride_kt, stride_vt,
+        offs_m, offs_dqk, offs_dvo, T, qk_scale, full_hi, hi, doc_lo, doc_hi,
+        D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_N, CAUSAL, True, KV_TMA, DOT_PRECISION, HAS_DOCS,
     )  # fmt: skip
+    if COUNT_TILES:
+        tiles = (
+            _tiles(lo, full_lo, BLOCK_N) + _tiles(full_lo, full_hi, BLOCK_N) + _tiles(full_hi, hi, BLOCK_N)
+        )
+        tl.store(TILES + (off_b * H + off_h) * tl.num_programs(0) + tl.program_id(0), tiles)
 
     o = acc / l_i[:, None]  # (BLOCK_M, BLOCK_DVO); l_i >= 1 since the row max contributes exp2(0)
     o_ptrs = o_base + offs_m[:, None] * stride_ot + offs_dvo[None, :] * stride_od
@@ -389,6 +542,8 @@ def _attn_bwd_dkdv_inner(
     qk_scale,  # fp32: softmax scale * log2(e)
     lo,  # first query row of the loop (multiple of BLOCK_M)
     hi,  # loop end (exclusive)
+    doc_lo,  # (BLOCK_N,) int32 first token of each key's document (DOCS only)
+    doc_hi,  # (BLOCK_N,) int32 end of each key's document (DOCS only)
     D_QK: tl.constexpr,
     D_VO: tl.constexpr,
     BLOCK_DQK: tl.constexpr,
@@ -398,6 +553,7 @@ def _attn_bwd_dkdv_inner(
     MASKED: tl.constexpr,  # False: every query in [lo, hi) is < T and sees every key of the block
     QDO_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOCS: tl.constexpr = False,  # the masked blocks also hide queries outside each key's document
 ):
     # Works on transposed tiles (keys along rows) so dK and dV come out as (BLOCK_N, d) directly.
     offs_m0 = tl.arange(0, BLOCK_M)
@@ -424,11 +580,91 @@ def _attn_bwd_dkdv_inner(
             visible = rows[None, :] < T
             if CAUSAL:
                 visible = visible & (offs_n[:, None] <= rows[None, :])
+            if DOCS:  # query i sees key j iff i is in j's document (causal: j <= i already)
+                visible = visible & (rows[None, :] < doc_hi[:, None])
+                if not CAUSAL:
+                    visible = visible & (rows[None, :] >= doc_lo[:, None])
             p_t = tl.where(visible, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # dV += P^T dO
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M) = (dO V^T)^T
         ds_t = p_t * (dp_t - delta[None, :])  # dS^T, without the scale c (applied once at the end)
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)  # dK += dS^T Q
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_head(
+    dk,  # (BLOCK_N, BLOCK_DQK) fp32 accumulator
+    dv,  # (BLOCK_N, BLOCK_DVO) fp32 accumulator
+    k,  # (BLOCK_N, BLOCK_DQK) this program's key tile
+    v,  # (BLOCK_N, BLOCK_DVO) this program's value tile
+    Q,
+    DO,
+    LSE,
+    DELTA,
+    Q_DESC,
+    DO_DESC,  # as the kernel's
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_qd,  # Q strides
+    stride_dob,
+    stride_doh,
+    stride_dot,
+    stride_dod,  # dO strides
+    pid_b,  # int32 batch index
+    pid_hq,  # int32 query head whose rows this call streams
+    H,  # int: query heads
+    offs_n,  # (BLOCK_N,) key row indices of this program
+    offs_dqk,  # (BLOCK_DQK,) arange
+    offs_dvo,  # (BLOCK_DVO,) arange
+    T,  # int: sequence length
+    qk_scale,  # fp32: c * log2(e)
+    lo,
+    mid_lo,
+    mid_hi,
+    end,  # the query blocks to visit (`_key_block_queries`)
+    doc_lo,  # (BLOCK_N,) int32 first token of each key's document (HAS_DOCS only)
+    doc_hi,  # (BLOCK_N,) int32 end of each key's document (HAS_DOCS only)
+    D_QK: tl.constexpr,
+    D_VO: tl.constexpr,
+    BLOCK_DQK: tl.constexpr,
+    BLOCK_DVO: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    QDO_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+):
+    """dK, dV += the contributions of one query head's rows to this program's keys."""
+    off_b = pid_b.to(tl.int64)
+    off_h = pid_hq.to(tl.int64)
+    q_base = Q + off_b * stride_qb + off_h * stride_qh
+    do_base = DO + off_b * stride_dob + off_h * stride_doh
+    lse_base = LSE + (off_b * H + off_h) * T
+    delta_base = DELTA + (off_b * H + off_h) * T
+    offs_m0 = tl.arange(0, BLOCK_M)
+    q_ptrs = q_base + offs_m0[:, None] * stride_qt + offs_dqk[None, :] * stride_qd  # (BLOCK_M, BLOCK_DQK)
+    do_ptrs = do_base + offs_m0[:, None] * stride_dot + offs_dvo[None, :] * stride_dod  # (BLOCK_M, BLOCK_DVO)
+    if CAUSAL or HAS_DOCS:
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, q_ptrs, do_ptrs, Q_DESC, DO_DESC, pid_b, pid_hq,
+            lse_base, delta_base, stride_qt, stride_dot,
+            offs_n, offs_dqk, offs_dvo, T, qk_scale, lo, tl.minimum(mid_lo, end), doc_lo, doc_hi,
+            D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_M, CAUSAL, True, QDO_TMA, DOT_PRECISION, HAS_DOCS,
+        )  # fmt: skip
+    dk, dv = _attn_bwd_dkdv_inner(
+        dk, dv, k, v, q_ptrs, do_ptrs, Q_DESC, DO_DESC, pid_b, pid_hq,
+        lse_base, delta_base, stride_qt, stride_dot,
+        offs_n, offs_dqk, offs_dvo, T, qk_scale, mid_lo, mid_hi, doc_lo, doc_hi,
+        D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_M, CAUSAL, False, QDO_TMA, DOT_PRECISION, HAS_DOCS,
+    )  # fmt: skip
+    dk, dv = _attn_bwd_dkdv_inner(
+        dk, dv, k, v, q_ptrs, do_ptrs, Q_DESC, DO_DESC, pid_b, pid_hq,
+        lse_base, delta_base, stride_qt, stride_dot,
+        offs_n, offs_dqk, offs_dvo, T, qk_scale, tl.maximum(mid_lo, mid_hi), end, doc_lo, doc_hi,
+        D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_M, CAUSAL, True, QDO_TMA, DOT_PRECISION, HAS_DOCS,
+    )  # fmt: skip
     return dk, dv
 
 
@@ -444,6 +680,9 @@ def _attn_bwd_dkdv_kernel(
     DV,  # pointer: (B, H, T, D_VO) output, input dtype
     Q_DESC,  # TensorDescriptor of Q (B, H, T, D_QK), block (1, 1, BLOCK_M, BLOCK_DQK); None: use Q
     DO_DESC,  # TensorDescriptor of dO (B, H, T, D_VO), block (1, 1, BLOCK_M, BLOCK_DVO); None: use DO
+    DOC_START,  # pointer: (B, T) int32 first token of each token's document; None without documents
+    DOC_END,  # pointer: (B, T) int32 end (exclusive) of each token's document; None without documents
+    TILES,  # pointer: int32 out, the tiles each program visits (COUNT_TILES only; else None)
     stride_qb,  # Q stride over B
     stride_qh,  # Q stride over H
     stride_qt,  # Q stride over T
@@ -482,22 +721,22 @@ def _attn_bwd_dkdv_kernel(
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query rows per loop step
     BLOCK_N: tl.constexpr,  # key rows owned by the program
+    GROUP: tl.constexpr = 1,  # query heads per key/value head: this program sums over GROUP of them
+    HAS_DOCS: tl.constexpr = False,  # DOC_START / DOC_END bound each key's queries to its document
+    COUNT_TILES: tl.constexpr = False,  # store the query blocks each program visits to TILES
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs blocks of at least 16 rows")
     tl.static_assert(BLOCK_DQK >= D_QK and BLOCK_DVO >= D_VO, "padded head width below the real one")
     tl.static_assert(BLOCK_DQK >= 16 and BLOCK_DVO >= 16, "tl.dot needs a reduction width of at least 16")
-    # grid: (cdiv(T, BLOCK_N), H, B)
+    # grid: (cdiv(T, BLOCK_N), H_kv, B): key/value head pid_h of the GROUP query heads
+    # pid_h * GROUP ... pid_h * GROUP + GROUP - 1, whose contributions it sums in that order
     start_n = tl.program_id(0) * BLOCK_N
     pid_h = tl.program_id(1)
     pid_b = tl.program_id(2)
     off_h = pid_h.to(tl.int64)
     off_b = pid_b.to(tl.int64)
-    q_base = Q + off_b * stride_qb + off_h * stride_qh
     k_base = K + off_b * stride_kb + off_h * stride_kh
     v_base = V + off_b * stride_vb + off_h * stride_vh
-    do_base = DO + off_b * stride_dob + off_h * stride_doh
-    lse_base = LSE + (off_b * H + off_h) * T
-    delta_base = DELTA + (off_b * H + off_h) * T
 
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     offs_dqk = tl.arange(0, BLOCK_DQK)
@@ -507,40 +746,42 @@ def _attn_bwd_dkdv_kernel(
     v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_dvo[None, :] * stride_vd
     k = _load_tile(k_ptrs, offs_n, offs_dqk, T, D_QK, BLOCK_DQK, True)  # (BLOCK_N, BLOCK_DQK)
     v = _load_tile(v_ptrs, offs_n, offs_dvo, T, D_VO, BLOCK_DVO, True)  # (BLOCK_N, BLOCK_DVO)
-    offs_m0 = tl.arange(0, BLOCK_M)
-    q_ptrs = q_base + offs_m0[:, None] * stride_qt + offs_dqk[None, :] * stride_qd  # (BLOCK_M, BLOCK_DQK)
-    do_ptrs = do_base + offs_m0[:, None] * stride_dot + offs_dvo[None, :] * stride_dod  # (BLOCK_M, BLOCK_DVO)
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DVO], dtype=tl.float32)
 
-    # Query blocks: [lo, mid_lo) straddle the diagonal (causal only), [mid_lo, mid_hi) need no
-    # mask, [max(mid_lo, mid_hi), end) hold the tail of T (or are still on the diagonal).
-    end = tl.cdiv(T, BLOCK_M) * BLOCK_M
-    mid_hi = (T // BLOCK_M) * BLOCK_M
-    if CAUSAL:
-        lo = (start_n // BLOCK_M) * BLOCK_M  # earlier query blocks see none of these keys
-        # first block whose first row is >= the block's last key row
-        mid_lo = tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M
-        dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, q_ptrs, do_ptrs, Q_DESC, DO_DESC, pid_b, pid_h,
-        lse_base, delta_base, stride_qt, stride_dot,
-            offs_n, offs_dqk, offs_dvo, T, qk_scale, lo, tl.minimum(mid_lo, end),
-            D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_M, CAUSAL, True, QDO_TMA, DOT_PRECISION,
+    # Query blocks: [lo, mid_lo) straddle the diagonal (causal) or the documents' starts,
+    # [mid_lo, mid_hi) need no mask, [max(mid_lo, mid_hi), end) hold the tail of T or of the
+    # documents (or are still on the diagonal); blocks outside the keys' documents are skipped.
+    lo, mid_lo, mid_hi, end = _key_block_queries(
+        DOC_START, DOC_END, off_b, start_n, T, BLOCK_M, BLOCK_N, CAUSAL, HAS_DOCS
+    )
+    doc_lo = offs_n  # unused without documents
+    doc_hi = offs_n
+    if HAS_DOCS:
+        doc_lo = tl.load(DOC_START + off_b * T + offs_n, mask=offs_n < T, other=0)  # (BLOCK_N,)
+        doc_hi = tl.load(DOC_END + off_b * T + offs_n, mask=offs_n < T, other=0)  # (BLOCK_N,)
+    if GROUP == 1:
+        dk, dv = _attn_bwd_dkdv_head(
+            dk, dv, k, v, Q, DO, LSE, DELTA, Q_DESC, DO_DESC,
+            stride_qb, stride_qh, stride_qt, stride_qd, stride_dob, stride_doh, stride_dot, stride_dod,
+            pid_b, pid_h, H, offs_n, offs_dqk, offs_dvo, T, qk_scale,
+            lo, mid_lo, mid_hi, end, doc_lo, doc_hi,
+            D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_M, CAUSAL, QDO_TMA, DOT_PRECISION, HAS_DOCS,
         )  # fmt: skip
     else:
-        mid_lo = 0
-    dk, dv = _attn_bwd_dkdv_inner(
-        dk, dv, k, v, q_ptrs, do_ptrs, Q_DESC, DO_DESC, pid_b, pid_h,
-        lse_base, delta_base, stride_qt, stride_dot,
-        offs_n, offs_dqk, offs_dvo, T, qk_scale, mid_lo, mid_hi,
-        D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_M, CAUSAL, False, QDO_TMA, DOT_PRECISION,
-    )  # fmt: skip
-    dk, dv = _attn_bwd_dkdv_inner(
-        dk, dv, k, v, q_ptrs, do_ptrs, Q_DESC, DO_DESC, pid_b, pid_h,
-        lse_base, delta_base, stride_qt, stride_dot,
-        offs_n, offs_dqk, offs_dvo, T, qk_scale, tl.maximum(mid_lo, mid_hi), end,
-        D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_M, CAUSAL, True, QDO_TMA, DOT_PRECISION,
-    )  # fmt: skip
+        for g in range(GROUP):  # the group's query heads in order: a fixed summation order
+            dk, dv = _attn_bwd_dkdv_head(
+                dk, dv, k, v, Q, DO, LSE, DELTA, Q_DESC, DO_DESC,
+                stride_qb, stride_qh, stride_qt, stride_qd, stride_dob, stride_doh, stride_dot, stride_dod,
+                pid_b, pid_h * GROUP + g, H, offs_n, offs_dqk, offs_dvo, T, qk_scale,
+                lo, mid_lo, mid_hi, end, doc_lo, doc_hi,
+                D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_M, CAUSAL, QDO_TMA, DOT_PRECISION, HAS_DOCS,
+            )  # fmt: skip
+    if COUNT_TILES:  # the query blocks of the three ranges above, for each of the GROUP heads
+        tiles = _tiles(lo, tl.minimum(mid_lo, end), BLOCK_M) + _tiles(mid_lo, mid_hi, BLOCK_M)
+        tiles += _tiles(tl.maximum(mid_lo, mid_hi), end, BLOCK_M)
+        slot = (off_b * tl.num_programs(1) + off_h) * tl.num_programs(0) + tl.program_id(0)
+        tl.store(TILES + slot, tiles * GROUP)
 
     dk = dk * sm_scale  # dK = c * dS^T Q
     dk_base = DK + off_b * stride_dkb + off_h * stride_dkh
@@ -573,6 +814,8 @@ def _attn_bwd_dq_inner(
     qk_scale,  # fp32: softmax scale * log2(e)
     lo,  # first key row of the loop (multiple of BLOCK_N)
     hi,  # loop end (exclusive)
+    doc_lo,  # (BLOCK_M,) int32 first key of each row's document (DOCS only)
+    doc_hi,  # (BLOCK_M,) int32 end of each row's document (DOCS only)
     D_QK: tl.constexpr,
     D_VO: tl.constexpr,
     BLOCK_DQK: tl.constexpr,
@@ -582,6 +825,7 @@ def _attn_bwd_dq_inner(
     MASKED: tl.constexpr,  # False: every key in [lo, hi) is < T and visible to every row
     KV_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOCS: tl.constexpr = False,  # the masked blocks also hide keys outside each row's document
 ):
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
@@ -596,7 +840,9 @@ def _attn_bwd_dq_inner(
         )  # fmt: skip
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) unscaled
         p = tl.exp2(qk * qk_scale - lse[:, None])  # the scale folds into one FFMA
-        if MASKED:
+        if MASKED and DOCS:
+            p = tl.where(_document_visible(cols, offs_m, doc_lo, doc_hi, T, CAUSAL), p, 0.0)
+        elif MASKED:
             visible = cols[None, :] < T
             if CAUSAL:
                 visible = visible & (cols[None, :] <= offs_m[:, None])
@@ -618,6 +864,9 @@ def _attn_bwd_dq_kernel(
     DQ,  # pointer: (B, H, T, D_QK) output, input dtype
     K_DESC,  # TensorDescriptor of K (B, H, T, D_QK), block (1, 1, BLOCK_N, BLOCK_DQK); None: use K
     V_DESC,  # TensorDescriptor of V (B, H, T, D_VO), block (1, 1, BLOCK_N, BLOCK_DVO); None: use V
+    DOC_START,  # pointer: (B, T) int32 first token of each token's document; None without documents
+    DOC_END,  # pointer: (B, T) int32 end (exclusive) of each token's document; None without documents
+    TILES,  # pointer: int32 out, the tiles each program visits (COUNT_TILES only; else None)
     stride_qb,  # Q stride over B
     stride_qh,  # Q stride over H
     stride_qt,  # Q stride over T
@@ -652,6 +901,9 @@ def _attn_bwd_dq_kernel(
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query rows owned by the program
     BLOCK_N: tl.constexpr,  # key rows per loop step
+    GROUP: tl.constexpr = 1,  # query heads per key/value head: head h reads K/V head h // GROUP
+    HAS_DOCS: tl.constexpr = False,  # DOC_START / DOC_END bound each row's keys to its document
+    COUNT_TILES: tl.constexpr = False,  # store the key blocks each program visits to TILES
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs blocks of at least 16 rows")
     tl.static_assert(BLOCK_DQK >= D_QK and BLOCK_DVO >= D_VO, "padded head width below the real one")
@@ -660,11 +912,13 @@ def _attn_bwd_dq_kernel(
     start_m = tl.program_id(0) * BLOCK_M
     pid_h = tl.program_id(1)
     pid_b = tl.program_id(2)
+    pid_kv = pid_h // GROUP if GROUP > 1 else pid_h  # the key/value head of this query head
     off_h = pid_h.to(tl.int64)
+    off_kv = pid_kv.to(tl.int64)
     off_b = pid_b.to(tl.int64)
     q_base = Q + off_b * stride_qb + off_h * stride_qh
-    k_base = K + off_b * stride_kb + off_h * stride_kh
-    v_base = V + off_b * stride_vb + off_h * stride_vh
+    k_base = K + off_b * stride_kb + off_kv * stride_kh
+    v_base = V + off_b * stride_vb + off_kv * stride_vh
     do_base = DO + off_b * stride_dob + off_h * stride_doh
     lse_base = LSE + (off_b * H + off_h) * T
     delta_base = DELTA + (off_b * H + off_h) * T
@@ -684,22 +938,34 @@ def _attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
 
     # Same split of the key loop as the forward.
-    if CAUSAL:
-        hi = tl.minimum(start_m + BLOCK_M, T)
-        full_end = ((start_m + 1) // BLOCK_N) * BLOCK_N
-    else:
-        hi = T
-        full_end = (T // BLOCK_N) * BLOCK_N
+    lo, full_lo, full_hi, hi = _query_block_keys(
+        DOC_START, DOC_END, off_b, start_m, T, BLOCK_M, BLOCK_N, CAUSAL, HAS_DOCS
+    )
+    doc_lo = offs_m  # unused without documents
+    doc_hi = offs_m
+    if HAS_DOCS:
+        doc_lo = tl.load(DOC_START + off_b * T + offs_m, mask=offs_m < T, other=0)  # (BLOCK_M,)
+        doc_hi = tl.load(DOC_END + off_b * T + offs_m, mask=offs_m < T, other=T)  # (BLOCK_M,)
+        dq = _attn_bwd_dq_inner(
+            dq, q, do, lse, delta, k_ptrs, v_ptrs, K_DESC, V_DESC, pid_b, pid_kv, stride_kt, stride_vt,
+            offs_m, offs_dqk, offs_dvo, T, qk_scale, lo, full_lo, doc_lo, doc_hi,
+            D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_N, CAUSAL, True, KV_TMA, DOT_PRECISION, True,
+        )  # fmt: skip
     dq = _attn_bwd_dq_inner(
-        dq, q, do, lse, delta, k_ptrs, v_ptrs, K_DESC, V_DESC, pid_b, pid_h, stride_kt, stride_vt,
-        offs_m, offs_dqk, offs_dvo, T, qk_scale, 0, full_end,
-        D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_N, CAUSAL, False, KV_TMA, DOT_PRECISION,
+        dq, q, do, lse, delta, k_ptrs, v_ptrs, K_DESC, V_DESC, pid_b, pid_kv, stride_kt, stride_vt,
+        offs_m, offs_dqk, offs_dvo, T, qk_scale, full_lo, full_hi, doc_lo, doc_hi,
+        D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_N, CAUSAL, False, KV_TMA, DOT_PRECISION, HAS_DOCS,
     )  # fmt: skip
     dq = _attn_bwd_dq_inner(
-        dq, q, do, lse, delta, k_ptrs, v_ptrs, K_DESC, V_DESC, pid_b, pid_h, stride_kt, stride_vt,
-        offs_m, offs_dqk, offs_dvo, T, qk_scale, full_end, hi,
-        D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_N, CAUSAL, True, KV_TMA, DOT_PRECISION,
+        dq, q, do, lse, delta, k_ptrs, v_ptrs, K_DESC, V_DESC, pid_b, pid_kv, stride_kt, stride_vt,
+        offs_m, offs_dqk, offs_dvo, T, qk_scale, full_hi, hi, doc_lo, doc_hi,
+        D_QK, D_VO, BLOCK_DQK, BLOCK_DVO, BLOCK_N, CAUSAL, True, KV_TMA, DOT_PRECISION, HAS_DOCS,
     )  # fmt: skip
+    if COUNT_TILES:
+        tiles = (
+            _tiles(lo, full_lo, BLOCK_N) + _tiles(full_lo, full_hi, BLOCK_N) + _tiles(full_hi, hi, BLOCK_N)
+        )
+        tl.store(TILES + (off_b * H + off_h) * tl.num_programs(0) + tl.program_id(0), tiles)
 
     dq = dq * sm_scale  # dQ = c * dS K
     dq_base = DQ + off_b * stride_dqb + off_h * stride_dqh
@@ -711,10 +977,11 @@ def _attn_bwd_dq_kernel(
 # Tiling: the candidates and their pruning (GPU only).
 # ----------------------------------------------------------------------------------------------
 
-# The tiling that wins depends on the head widths, the mask, the dtype (added to the key by Triton
+# The tiling that wins depends on the head widths, the mask (causal, documents), the query heads
+# per key/value head (a dK/dV program sums over them), the dtype (added to the key by Triton
 # itself) and the order of magnitude of T (short sequences want small blocks); the exact T does
 # not matter, so T enters the key as a power-of-two bucket and a new length does not re-tune.
-_TUNE_KEY = ["T_BUCKET", "D_QK", "D_VO", "CAUSAL"]
+_TUNE_KEY = ["T_BUCKET", "D_QK", "D_VO", "CAUSAL", "GROUP", "HAS_DOCS"]
 
 Tile = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 
@@ -814,7 +1081,8 @@ def _launch_capability(device: torch.device) -> int | None:
 def _shared_bytes(kind: str, block_m: int, block_n: int, num_stages: int, meta: dict, elem: int) -> int:
     """Shared memory a config needs, estimated from its tiles: those resident for the whole
     program, `num_stages` copies of the streamed ones and one (BLOCK_M, BLOCK_N) tile for P / dS.
-    An upper bound of what the compiler allocates (tests/tools/test_inspect.py checks it)."""
+    An upper bound of what the compiler allocates (tests/integration/tools/test_inspect_subset.py
+    checks it)."""
     dqk, dvo = meta["BLOCK_DQK"], meta["BLOCK_DVO"]
     if kind == "fwd":  # Q resident; K, V streamed
         resident, streamed = block_m * dqk, block_n * (dqk + dvo)
@@ -947,8 +1215,12 @@ def _tuned_launch(kind: str, tma: bool, wrappers: tuple) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Raise one clear TypeError/ValueError for inputs the kernels cannot take."""
+def _check_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
+) -> None:
+    """Raise one clear TypeError/ValueError for inputs the kernels cannot take. Documents must be
+    non-decreasing along each row; that is not checked here (it would read the tensor back from
+    the device on every call): a row that is not gives attention over the runs searchsorted finds."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"flash_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -969,10 +1241,13 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(
             f"flash_attention: q, k, v must be on the same device, got {q.device}, {k.device}, {v.device}"
         )
-    if not (q.shape[:3] == k.shape[:3] == v.shape[:3]):
+    h, h_kv = q.shape[1], k.shape[1]
+    same = q.shape[0] == k.shape[0] == v.shape[0] and q.shape[2] == k.shape[2] == v.shape[2]
+    if not same or v.shape[1] != h_kv or h_kv < 1 or h % h_kv:
         raise ValueError(
-            "flash_attention: q, k, v must agree on (B, H, T), got "
-            f"{tuple(q.shape[:3])}, {tuple(k.shape[:3])}, {tuple(v.shape[:3])}"
+            "flash_attention: q, k, v must agree on (B, H, T), except that k and v may have fewer heads "
+            f"dividing q's (grouped-query attention), got {tuple(q.shape[:3])}, {tuple(k.shape[:3])}, "
+            f"{tuple(v.shape[:3])}"
         )
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"flash_attention: q and k head widths differ: d_qk {q.shape[3]} vs {k.shape[3]}")
@@ -997,6 +1272,20 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         span = (t.shape[2] - 1) * abs(t.stride(2)) + (t.shape[3] - 1) * abs(t.stride(3))
         if span >= 2**31:
             raise ValueError(f"flash_attention: {name} spans {span} elements within one head, over 2**31")
+    if documents is not None:
+        if (
+            not isinstance(documents, torch.Tensor)
+            or documents.dtype.is_floating_point
+            or documents.is_complex()
+        ):
+            raise TypeError("flash_attention: documents must be an integer tensor (B, T) of document ids")
+        if tuple(documents.shape) != (q.shape[0], q.shape[2]):
+            raise ValueError(
+                f"flash_attention: documents must be (B, T) = {(q.shape[0], q.shape[2])}, "
+                f"got {tuple(documents.shape)}"
+            )
+        if documents.device != q.device:
+            raise ValueError(f"flash_attention: documents are on {documents.device}, q on {q.device}")
 
 
 def _softmax_scale(scale: float | None, d_qk: int) -> float:
@@ -1047,8 +1336,45 @@ def _descriptors(
     )
 
 
+def document_bounds(documents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # (B, T) -> 2 x (B, T)
+    """(start, end), each (B, T) int32 contiguous: the first token of each token's document and
+    the end (exclusive) of it, for rows of document ids that are non-decreasing (each document
+    a contiguous run). Query i sees key j iff start[i] <= j < end[i] (and j <= i when causal);
+    the kernels derive from them which tiles to visit."""
+    docs = documents.contiguous()
+    start = torch.searchsorted(docs, docs, side="left").to(torch.int32)
+    end = torch.searchsorted(docs, docs, side="right").to(torch.int32)
+    return start, end
+
+
+# Fewest rows of a block in any tiling: a buffer of tile counts with a slot per program of any tiling.
+_MIN_BLOCK = 16
+
+
+def _tile_counts(q: torch.Tensor, heads: int) -> torch.Tensor:
+    """A zeroed buffer for one kernel's per-program tile counts (COUNT_TILES)."""
+    return torch.zeros(
+        q.shape[0] * heads * triton.cdiv(q.shape[2], _MIN_BLOCK), dtype=torch.int32, device=q.device
+    )
+
+
 def _pruner(kind: str, launch: runtime.KernelLaunch) -> Callable:
     return lambda configs, device: prune_configs(kind, configs, launch.named_args(), device)
+
+
+def _variant(
+    q: torch.Tensor, k: torch.Tensor, bounds: tuple | None, tiles: torch.Tensor | None
+) -> dict[str, object]:
+    """The constexprs of grouped-query attention, documents and tile counting: none at all
+    without them, so that plain attention compiles exactly as it always has."""
+    variant: dict[str, object] = {}
+    if q.shape[1] != k.shape[1]:
+        variant["GROUP"] = q.shape[1] // k.shape[1]
+    if bounds is not None:
+        variant["HAS_DOCS"] = True
+    if tiles is not None:
+        variant["COUNT_TILES"] = True
+    return variant
 
 
 def forward_launch(
@@ -1061,10 +1387,13 @@ def forward_launch(
     sm_scale: float,
     capability: int | None,
     allow_tma: bool = True,
+    bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tiles: torch.Tensor | None = None,
 ) -> runtime.KernelLaunch:
     """The forward kernel's launch for a GPU of `capability` (90: sm_90, None: the interpreter).
     On sm_90 K and V stream through TMA descriptors when their layout allows (and `allow_tma`;
-    False forces the pointer path, which inputs TMA cannot address take anyway)."""
+    False forces the pointer path, which inputs TMA cannot address take anyway). `bounds`: the
+    documents' `document_bounds`; `tiles`: a `_tile_counts` buffer the programs count into."""
     B, H, T, d_qk = q.shape
     k_desc, v_desc = _descriptors(capability, allow_tma, k, v)
     tma = k_desc is not None
@@ -1080,6 +1409,8 @@ def forward_launch(
             lse,
             k_desc,
             v_desc,
+            *(bounds or (None, None)),
+            tiles,
             *q.stride(),
             *k.stride(),
             *v.stride(),
@@ -1094,6 +1425,7 @@ def forward_launch(
             "NEGATE_Q": sm_scale < 0,
             "KV_TMA": tma,
             **_head_meta(d_qk, v.shape[3], q.dtype),
+            **_variant(q, k, bounds, tiles),
         },
         # A fixed tiling (the interpreter's, or a test's) launches the kernel itself, untuned.
         **_tuned_launch("fwd", tma, (_attn_fwd, _attn_fwd_tma)),
@@ -1118,11 +1450,16 @@ def backward_launches(
     sm_scale: float,
     capability: int | None,
     allow_tma: bool = True,
+    bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> list[runtime.KernelLaunch]:
     """The backward's three launches, in order: delta = rowsum(dO * O), then dK/dV, then dQ. On
     sm_90 the streamed operands (Q and dO for dK/dV, K and V for dQ) go through TMA descriptors
-    when their layout allows."""
+    when their layout allows. `bounds`: the documents' `document_bounds`; `tiles`: the dK/dV
+    and dQ kernels' `_tile_counts` buffers."""
     B, H, T, d_qk = q.shape
+    H_kv = k.shape[1]
+    dkdv_tiles, dq_tiles = tiles or (None, None)
     d_vo = v.shape[3]
     meta = _head_meta(d_qk, d_vo, q.dtype)
     scales = (H, T, triton.next_power_of_2(T), sm_scale, sm_scale * LOG2E)
@@ -1140,7 +1477,7 @@ def backward_launches(
     dkdv = runtime.KernelLaunch(
         name=KERNEL_NAMES["dkdv"],
         kernel=_attn_bwd_dkdv_kernel,
-        grid=lambda m: (triton.cdiv(T, m["BLOCK_N"]), H, B),
+        grid=lambda m: (triton.cdiv(T, m["BLOCK_N"]), H_kv, B),
         args=(
             q,
             k,
@@ -1152,6 +1489,8 @@ def backward_launches(
             dv,
             q_desc,
             do_desc,
+            *(bounds or (None, None)),
+            dkdv_tiles,
             *q.stride(),
             *k.stride(),
             *v.stride(),
@@ -1160,7 +1499,12 @@ def backward_launches(
             *dv.stride(),
             *scales,
         ),  # fmt: skip
-        kwargs={"CAUSAL": bool(causal), "QDO_TMA": q_desc is not None, **meta},
+        kwargs={
+            "CAUSAL": bool(causal),
+            "QDO_TMA": q_desc is not None,
+            **meta,
+            **_variant(q, k, bounds, dkdv_tiles),
+        },
         **_tuned_launch("dkdv", q_desc is not None, (_attn_bwd_dkdv, _attn_bwd_dkdv_tma)),
         pre_hook=_shape_descriptors,
     )
@@ -1181,6 +1525,8 @@ def backward_launches(
             dq,
             k_desc,
             v_desc,
+            *(bounds or (None, None)),
+            dq_tiles,
             *q.stride(),
             *k.stride(),
             *v.stride(),
@@ -1188,7 +1534,12 @@ def backward_launches(
             *dq.stride(),
             *scales,
         ),  # fmt: skip
-        kwargs={"CAUSAL": bool(causal), "KV_TMA": k_desc is not None, **meta},
+        kwargs={
+            "CAUSAL": bool(causal),
+            "KV_TMA": k_desc is not None,
+            **meta,
+            **_variant(q, k, bounds, dq_tiles),
+        },
         **_tuned_launch("dq", k_desc is not None, (_attn_bwd_dq, _attn_bwd_dq_tma)),
         pre_hook=_shape_descriptors,
     )
@@ -1198,34 +1549,41 @@ def backward_launches(
 
 def flash_attention_forward(
     q: torch.Tensor,  # (B, H, T, d_qk)
-    k: torch.Tensor,  # (B, H, T, d_qk)
-    v: torch.Tensor,  # (B, H, T, d_vo)
+    k: torch.Tensor,  # (B, H_kv, T, d_qk), H_kv dividing H
+    v: torch.Tensor,  # (B, H_kv, T, d_vo)
     causal: bool = True,
     scale: float | None = None,
+    documents: torch.Tensor | None = None,  # (B, T) integer document ids, non-decreasing per row
+    tiles: torch.Tensor | None = None,  # a `_tile_counts` buffer: the programs count their key blocks
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return o (B, H, T, d_vo) in the input dtype and lse (B, H, T) fp32 in base 2 (log2 sum exp2 of
     the scaled logits times log2(e)), which the backward needs."""
-    _check_inputs(q, k, v)
+    _check_inputs(q, k, v, documents)
     B, H, T, _ = q.shape
     sm_scale = _softmax_scale(scale, q.shape[3])
     o = torch.empty((B, H, T, v.shape[3]), dtype=q.dtype, device=q.device)  # (B, H, T, d_vo)
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)  # (B, H, T)
-    forward_launch(q, k, v, o, lse, causal, sm_scale, _launch_capability(q.device)).run()
+    bounds = document_bounds(documents) if documents is not None else None
+    capability = _launch_capability(q.device)
+    forward_launch(q, k, v, o, lse, causal, sm_scale, capability, bounds=bounds, tiles=tiles).run()
     return o, lse
 
 
 def flash_attention_backward(
     do: torch.Tensor,  # (B, H, T, d_vo)
     q: torch.Tensor,  # (B, H, T, d_qk)
-    k: torch.Tensor,  # (B, H, T, d_qk)
-    v: torch.Tensor,  # (B, H, T, d_vo)
+    k: torch.Tensor,  # (B, H_kv, T, d_qk)
+    v: torch.Tensor,  # (B, H_kv, T, d_vo)
     o: torch.Tensor,  # (B, H, T, d_vo) from flash_attention_forward
     lse: torch.Tensor,  # (B, H, T) fp32 from flash_attention_forward
     causal: bool = True,
     scale: float | None = None,
+    documents: torch.Tensor | None = None,  # (B, T) as given to the forward
+    tiles: tuple[torch.Tensor, torch.Tensor] | None = None,  # dK/dV's and dQ's `_tile_counts`
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Return (dq, dk, dv), each shaped and typed like its input. Deterministic: no atomics."""
-    _check_inputs(q, k, v)
+    """Return (dq, dk, dv), each shaped and typed like its input. Deterministic: no atomics (with
+    grouped-query heads a dK/dV program sums its group's query heads in order)."""
+    _check_inputs(q, k, v, documents)
     if do.shape != o.shape or lse.shape != q.shape[:3]:
         raise ValueError(
             f"flash_attention_backward: do {tuple(do.shape)} must match o {tuple(o.shape)} and lse "
@@ -1236,12 +1594,37 @@ def flash_attention_backward(
     lse = lse.contiguous()  # (B, H, T), indexed as (b * H + h) * T + t
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)  # (B, H, T) rowsum(dO * O)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (B, H, T, d_qk)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # (B, H, T, d_qk)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # (B, H, T, d_vo)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # (B, H_kv, T, d_qk)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # (B, H_kv, T, d_vo)
+    bounds = document_bounds(documents) if documents is not None else None
     capability = _launch_capability(q.device)
-    for launch in backward_launches(do, q, k, v, o, lse, delta, dq, dk, dv, causal, sm_scale, capability):
+    launches = backward_launches(
+        do, q, k, v, o, lse, delta, dq, dk, dv, causal, sm_scale, capability, bounds=bounds, tiles=tiles
+    )
+    for launch in launches:
         launch.run()
     return dq, dk, dv
+
+
+def visited_tiles(
+    q: torch.Tensor,  # (B, H, T, d_qk)
+    k: torch.Tensor,  # (B, H_kv, T, d_qk)
+    v: torch.Tensor,  # (B, H_kv, T, d_vo)
+    causal: bool = True,
+    documents: torch.Tensor | None = None,  # (B, T)
+) -> dict[str, int]:
+    """The tiles of the (T, T) score matrix each kernel visits in one forward and backward, summed
+    over batch rows and heads: {"fwd": key blocks of the forward's query blocks, "dkdv": query
+    blocks of the dK/dV programs' key blocks (each of a group's query heads counted), "dq": key
+    blocks of the dQ programs}. The programs count what their loops visit (COUNT_TILES), with the
+    tiling this process launches; the work of each kernel is proportional to its count."""
+    counts = {kind: _tile_counts(q, q.shape[1]) for kind in ("fwd", "dkdv", "dq")}
+    o, lse = flash_attention_forward(q, k, v, causal, None, documents, tiles=counts["fwd"])
+    do = torch.ones_like(o)
+    flash_attention_backward(
+        do, q, k, v, o, lse, causal, None, documents, tiles=(counts["dkdv"], counts["dq"])
+    )
+    return {kind: int(buffer.sum()) for kind, buffer in counts.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1254,14 +1637,19 @@ def flash_attention_backward(
 
 @torch.library.custom_op("lmsys::flash_attention_fwd", mutates_args=())
 def flash_attention_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    documents: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o (B, H, T, d_vo), lse (B, H, T) fp32): `flash_attention_forward` as an op."""
-    return flash_attention_forward(q, k, v, causal, scale)
+    return flash_attention_forward(q, k, v, causal, scale, documents)
 
 
 @flash_attention_fwd.register_fake
-def _(q, k, v, causal, scale):
+def _(q, k, v, causal, scale, documents=None):
     b, h, t, _ = q.shape
     return q.new_empty((b, h, t, v.shape[3])), q.new_empty((b, h, t), dtype=torch.float32)
 
@@ -1276,27 +1664,28 @@ def flash_attention_bwd(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
+    documents: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv): `flash_attention_backward` as an op."""
-    return flash_attention_backward(do, q, k, v, o, lse, causal, scale)
+    return flash_attention_backward(do, q, k, v, o, lse, causal, scale, documents)
 
 
 @flash_attention_bwd.register_fake
-def _(do, q, k, v, o, lse, causal, scale):
+def _(do, q, k, v, o, lse, causal, scale, documents=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as launched
 
 
 def _attention_setup(ctx, inputs, output) -> None:
-    q, k, v, causal, scale = inputs
+    q, k, v, causal, scale, documents = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.save_for_backward(q, k, v, o, lse, documents)
     ctx.causal, ctx.scale = causal, scale
 
 
 def _attention_backward(ctx, do: torch.Tensor, _dlse: torch.Tensor | None):
-    q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = flash_attention_bwd(do.contiguous(), q, k, v, o, lse, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None
+    q, k, v, o, lse, documents = ctx.saved_tensors
+    dq, dk, dv = flash_attention_bwd(do.contiguous(), q, k, v, o, lse, ctx.causal, ctx.scale, documents)
+    return dq, dk, dv, None, None, None
 
 
 flash_attention_fwd.register_autograd(_attention_backward, setup_context=_attention_setup)
@@ -1304,16 +1693,22 @@ flash_attention_fwd.register_autograd(_attention_backward, setup_context=_attent
 
 def flash_attention(
     q: torch.Tensor,  # (B, H, T, d_qk)
-    k: torch.Tensor,  # (B, H, T, d_qk)
-    v: torch.Tensor,  # (B, H, T, d_vo)
+    k: torch.Tensor,  # (B, H_kv, T, d_qk), H_kv dividing H
+    v: torch.Tensor,  # (B, H_kv, T, d_vo)
     causal: bool = True,
     scale: float | None = None,
+    documents: torch.Tensor | None = None,  # (B, T) integer document ids, non-decreasing per row
 ) -> torch.Tensor:
-    """Scaled dot-product attention, softmax(scale * q k^T [causal mask]) v -> (B, H, T, d_vo).
+    """Scaled dot-product attention, softmax(scale * q k^T [mask]) v -> (B, H, T, d_vo).
 
-    scale=None means 1/sqrt(d_qk). Causal: key j is visible to query i iff j <= i. Runs the
-    custom op `lmsys::flash_attention_fwd` (differentiable; torch.compile traces it).
+    scale=None means 1/sqrt(d_qk). Causal: key j is visible to query i iff j <= i. Grouped-query
+    attention: with H_kv < H key/value heads, query head h reads key/value head h // (H / H_kv)
+    (multi-query at H_kv = 1), without repeating them in memory. Documents (packed rows): key j
+    is visible to query i only when both are of one document (a contiguous run of equal ids),
+    and the kernels skip every tile outside the rows' documents: the work grows with the sum of
+    the squared document lengths, not with T^2. Runs the custom op `lmsys::flash_attention_fwd`
+    (differentiable; torch.compile traces it).
     """
-    _check_inputs(q, k, v)
+    _check_inputs(q, k, v, documents)
     sm_scale = _softmax_scale(scale, q.shape[3])
-    return flash_attention_fwd(q, k, v, bool(causal), sm_scale)[0]
+    return flash_attention_fwd(q, k, v, bool(causal), sm_scale, documents)[0]

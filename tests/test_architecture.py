@@ -345,11 +345,6 @@ def _shared_basenames(modules: dict[str, Path]) -> dict[str, list[str]]:
 
 
 # One meaning per name: a reader who opens `harness.py` finds the one module called so.
-@pytest.mark.xfail(
-    strict=True,
-    reason="lmsys/harness.py (the lmsys-eval harness command) and lmsys/inference/harness.py "
-    "(lm_eval's model) share a basename; the rename is pending",
-)
 def test_no_two_modules_share_a_basename():
     assert _shared_basenames({n: p for n, p in MODULES.items() if n.split(".")[0] == "lmsys"}) == {}
 

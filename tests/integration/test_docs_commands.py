@@ -79,6 +79,9 @@ NOT_RUN = {
     "tests/integration/tools/test_inspect_subset.py compiles a subset",
     "python -m tools.inspect ": "compiles kernels (minutes); tests/integration/tools/test_inspect_subset.py "
     "runs a subset",
+    "python -m lmsys.prepare data.format=chat ": "needs a model's tokenizer and a file of conversations; "
+    "tests/integration/data/test_chat.py previews and prepares them, tests/integration/llama/test_sft.py "
+    "runs docs/huggingface.md's fine-tuning journey",
 }
 
 # Modules the README names that another branch is adding: printed, and run once they exist.

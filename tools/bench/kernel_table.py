@@ -1,9 +1,11 @@
 """The kernel table: `python -m tools.bench kernels [--smoke] [--dtype bf16|fp16|fp32] [--csv PATH]
-[--peak-gbps GB/S]`; `python -m tools.bench attention ...` / `layer_norm ...` run their rows alone.
+[--peak-gbps GB/S] [--only attention|layer_norm|llama]`; `python -m tools.bench attention ...` /
+`layer_norm ...` run their rows alone.
 
 Prints the device and date, then one row per measurement (the layer norm, tools/bench/layer_norm.py;
-the attention, tools/bench/attention.py), and below the table the issue's targets with the
-worst measured value of each (tools/bench/report.py).
+the attention, tools/bench/attention.py; the Llama family's kernels, tools/bench/llama.py: RMS
+norm, rotary, SwiGLU, grouped-query and packed-documents attention), and below the table the
+issue's targets with the worst measured value of each (tools/bench/report.py).
 
 On a CUDA machine the default is the full grid in bf16, timed with triton.testing.do_bench.
 Without CUDA it always runs the smoke grid (tiny shapes, fp32) on CPU tensors through the
@@ -23,6 +25,7 @@ import torch
 from lmsys.cli import run_cli
 from tools.bench.attention import bench_attention
 from tools.bench.layer_norm import bench_layer_norm, device_name
+from tools.bench.llama import bench_llama
 from tools.bench.report import (
     GPT2_ATTENTION_ANCHORS,
     GPT2_TARGETS,
@@ -44,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
 def run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--only", choices=["attention", "layer_norm"], default=None, help="one kernel's rows (default: both)"
+        "--only",
+        choices=["attention", "layer_norm", "llama"],
+        default=None,
+        help="one group's rows (default: all)",
     )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (always on without CUDA)")
     parser.add_argument(
@@ -89,6 +95,8 @@ def run(argv: list[str]) -> int:
         rows += bench_layer_norm(device, dtype, smoke, peak)
     if args.only in (None, "attention"):
         rows += bench_attention(device, dtype, smoke)
+    if args.only in (None, "llama"):
+        rows += bench_llama(device, dtype, smoke)
 
     print(format_table(rows))
     print()

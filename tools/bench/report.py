@@ -61,6 +61,7 @@ def _display(row: dict) -> dict:
     """One table/CSV line from a layer-norm row (GB/s) or an attention row (TFLOP/s)."""
     if "tflops" in row:
         shape = f"B={row['B']} H={row['H']} T={row['T']} d={row['d']} causal={row['causal']}"
+        shape += row.get("shape_note", "")  # grouped key/value heads, packed documents
         ours, base, unit = row["tflops"], row["baseline_tflops"], "TFLOP/s"
         pct = "-"  # compute-bound: HBM bandwidth is not its measure
     else:

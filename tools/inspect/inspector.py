@@ -2,14 +2,20 @@
 
     python -m tools.inspect [--arch 80,90] [--dtype bf16,fp16] [--json FILE] [--dump DIR]
                             [--head-dims 64,128,64/128] [--widths 768,1600] [--masks causal,full]
-                            [--loads auto,pointers] [--lce-widths 768,1600]
-                            [--lce-variants train,train-bias,eval] [--jobs N] [--candidates]
+                            [--loads auto,pointers] [--attn-variants plain,gqa,docs,gqa-docs]
+                            [--lce-widths 768,1600] [--lce-variants train,train-bias,eval]
+                            [--rms-widths 1024,2048] [--rope-head-dims 64,128] [--glu-widths 3072]
+                            [--jobs N] [--candidates]
 
-For every kernel (attention forward, backward preprocess, dK/dV and dQ; layer-norm forward, forward
-with residual, backward, backward with the residual gradient, and the row sums of wide backward
-rows; the fused linear cross-entropy's logits, log-sum-exp, dh and dW kernels), every head-width
-case of the model family, every layer-norm width of the presets plus 2048 ... 16384, GPT-2's
-hidden widths for the loss, and every listed tiling the runtime keeps for the target
+For every kernel (attention forward, backward preprocess, dK/dV and dQ, plain, with grouped
+key/value heads, with documents and with both; layer-norm forward, forward with residual,
+backward, backward with the residual gradient, and the row sums of wide backward rows; the same
+five with the RMS formula; rotary forward and backward; the gated activation forward and
+backward; the fused linear cross-entropy's logits, log-sum-exp, dh and dW kernels), every
+head-width case of the model family, every layer-norm width of the presets plus 2048 ... 16384,
+the Llama family's widths for RMS norm (d_model and the QK-norm's head widths), rotary and the
+gated activation (d_ff), GPT-2's hidden widths for the loss, and every listed tiling the runtime
+keeps for the target
 (`KernelLaunch.kept`: the candidates of the head width and GPU generation that fit its shared
 memory), the kernel is compiled exactly as a launch would compile it on that GPU (the launchers'
 own `KernelLaunch` records, bound by Triton's JIT binder), and one row reports:
@@ -38,8 +44,11 @@ and launch in every case of the class: what a developer pastes into the kernels'
 fails on a listed config that does not.
 
 Shapes: attention at B = 2, H = 4, T = 1024 (GPT-2's context) in the model's layout (q, k, v
-are (B, T, H, d) projections viewed as (B, H, T, d)), softmax scale 1/sqrt(d_qk); layer norm over
-16384 rows with weight and bias, "sqrt_var_eps"; the linear cross-entropy at GPT-2's vocabulary
+are (B, T, H, d) projections viewed as (B, H, T, d)), softmax scale 1/sqrt(d_qk); grouped: one
+key/value head for the four query heads (GROUP 4); documents: the (B, T) bounds of packed rows;
+layer norm over 16384 rows with weight and bias, "sqrt_var_eps", RMS norm with a gain; rotary
+over B = 2, T = 1024 with 32 query and 8 key heads, one (T, d) table; the gated activation over
+16384 rows; the linear cross-entropy at GPT-2's vocabulary
 (V = 50,257) over 8192 tokens, one chunk of the launchers' default size, for training (with and
 without an unembedding bias) and for evaluation (no gradients: no logits stored). Tensors live on
 the meta device: nothing is allocated, only shapes, strides and dtypes enter the compilation.
@@ -52,6 +61,7 @@ import argparse
 import concurrent.futures
 import datetime
 import importlib
+import itertools
 import json
 import math
 import os
@@ -76,6 +86,8 @@ from tools.inspect import aot, candidates
 fa = importlib.import_module("kernels.flash_attention")
 ln = importlib.import_module("kernels.layer_norm")
 lce = importlib.import_module("kernels.linear_cross_entropy")
+rope = importlib.import_module("kernels.rotary")
+glu = importlib.import_module("kernels.gated")
 
 PROG = "tools.inspect"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -86,6 +98,15 @@ HEAD_DIMS = ((16, 16), (32, 32), (64, 64), (128, 128), (256, 256), (64, 128), (1
 WIDTHS = (128, 512, 768, 1024, 1280, 1600, 2048, 4096, 8192, 16384)
 MASKS = {"causal": True, "full": False}
 LOADS = ("auto", "pointers")
+# Attention variants: (query heads per key/value head, documents).
+ATTN_VARIANTS = {"plain": (1, False), "gqa": (4, False), "docs": (1, True), "gqa-docs": (4, True)}
+# The Llama family's widths: RMS norm at every d_model of its presets (576 smollm2_135m, 896
+# qwen2_5_0_5b, 1024 qwen3_0_6b, 2048 llama3_2_1b), the QK-norm's head widths 64 and 128, and the
+# wide rows; rotary at its head widths; the gated activation at the presets' d_ff.
+RMS_WIDTHS = (64, 128, 576, 896, 1024, 2048, 16384)
+ROPE_HEAD_DIMS = (64, 128)
+ROPE_HEADS = (32, 8)  # (query heads, key heads): Llama 3.2 1B's
+GLU_WIDTHS = (1536, 3072, 4864, 8192)
 ATTN_SHAPE = (2, 4, 1024)  # (B, H, T)
 LN_ROWS = 16384  # 16 sequences of 1024 tokens
 # Linear cross-entropy: GPT-2's vocabulary, 8192 tokens (8 sequences of 1024), the hidden widths of
@@ -97,6 +118,8 @@ LCE_VARIANTS = {"train": (False, True), "train-bias": (True, True), "eval": (Fal
 KERNEL_ORDER = (
     "attn_fwd", "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq",
     "ln_fwd", "ln_fwd_residual", "ln_bwd_row_sums", "ln_bwd", "ln_bwd_residual",
+    "rms_fwd", "rms_fwd_residual", "rms_bwd_row_sums", "rms_bwd", "rms_bwd_residual",
+    "rope_fwd", "rope_bwd", "glu_fwd", "glu_bwd",
     "lce_fwd", "lce_lse", "lce_bwd_dh", "lce_bwd_dw",
 )  # fmt: skip
 # The forward loop compared with the Triton tutorial's fused attention (kernels/README.md).
@@ -112,13 +135,15 @@ REFERENCE_LOOP = ("attn_fwd", "sm_90", "dqk128-dvo128-causal-tma", "128x128-w8-s
 class Case:
     """One shape of one kernel family on one target; rebuilt by every worker process."""
 
-    family: str  # "attn", "ln" or "lce"
+    family: str  # "attn", "ln", "rms", "rope", "glu" or "lce"
     arch: int  # 80 or 90
     dtype: str  # "bf16" or "fp16"
     d_qk: int = 0
     d_vo: int = 0
     causal: bool = True
     tma: bool = True  # attention: let the launchers use TMA where the target has it
+    group: int = 1  # attention: query heads per key/value head
+    docs: bool = False  # attention: packed documents
     width: int = 0
     residual: bool = False  # layer norm: the fused residual add (and its gradient)
     bias: bool = False  # linear cross-entropy: an unembedding bias
@@ -130,36 +155,75 @@ def attention_launches(case: Case) -> list[KernelLaunch]:
     B, H, T = ATTN_SHAPE
     dtype = DTYPES[case.dtype]
     # The model's layout: one (B, T, H, d) projection per operand, viewed as (B, H, T, d).
-    heads = lambda d: torch.empty((B, T, H, d), dtype=dtype, device="meta").transpose(1, 2)
-    q, k, v, do = heads(case.d_qk), heads(case.d_qk), heads(case.d_vo), heads(case.d_vo)
+    heads = lambda d, h=H: torch.empty((B, T, h, d), dtype=dtype, device="meta").transpose(1, 2)
+    h_kv = H // case.group
+    q, k, v, do = heads(case.d_qk), heads(case.d_qk, h_kv), heads(case.d_vo, h_kv), heads(case.d_vo)
     o = torch.empty((B, H, T, case.d_vo), dtype=dtype, device="meta")
     lse = torch.empty((B, H, T), dtype=torch.float32, device="meta")
     delta = torch.empty_like(lse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     scale = 1.0 / math.sqrt(case.d_qk)
-    forward = fa.forward_launch(q, k, v, o, lse, case.causal, scale, case.arch, allow_tma=case.tma)
+    bounds = None
+    if case.docs:
+        bounds = tuple(torch.empty((B, T), dtype=torch.int32, device="meta") for _ in range(2))
+    forward = fa.forward_launch(
+        q, k, v, o, lse, case.causal, scale, case.arch, allow_tma=case.tma, bounds=bounds
+    )
     backward = fa.backward_launches(
-        do, q, k, v, o, lse, delta, dq, dk, dv, case.causal, scale, case.arch, allow_tma=case.tma
+        do,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        delta,
+        dq,
+        dk,
+        dv,
+        case.causal,
+        scale,
+        case.arch,
+        allow_tma=case.tma,
+        bounds=bounds,
     )
     return [forward, *backward]
 
 
 def layer_norm_launches(case: Case) -> list[KernelLaunch]:
-    """Forward and backward launches of an affine "sqrt_var_eps" layer norm (with the fused
-    residual add when `case.residual`), with the geometry the launchers pick on the target."""
+    """Forward and backward launches of an affine "sqrt_var_eps" layer norm, or of an RMS norm
+    with a gain (family "rms"), with the fused residual add when `case.residual`, with the
+    geometry the launchers pick on the target."""
     dtype = DTYPES[case.dtype]
+    formula = "rms" if case.family == "rms" else "sqrt_var_eps"
     x = torch.empty((LN_ROWS, case.width), dtype=dtype, device="meta")
     weight = torch.empty((case.width,), dtype=dtype, device="meta")
-    bias = torch.empty_like(weight)
+    bias = torch.empty_like(weight) if formula != "rms" else None
     residual = torch.empty_like(x) if case.residual else None
-    forward, _ = ln.forward_launch(x, weight, bias, 1e-5, "sqrt_var_eps", residual)
+    forward, _ = ln.forward_launch(x, weight, bias, 1e-5, formula, residual)
     mean = torch.empty((LN_ROWS,), dtype=torch.float32, device="meta")
     rstd = torch.empty_like(mean)
     backward, _ = ln.backward_launches(
-        torch.empty_like(x), x, mean, rstd, weight, bias, 1e-5, "sqrt_var_eps",
+        torch.empty_like(x), x, mean, rstd, weight, bias, 1e-5, formula,
         torch.empty_like(x) if case.residual else None, aot.TARGETS[case.arch].sm_count,
     )  # fmt: skip
     return [forward, *backward]
+
+
+def rope_launches(case: Case) -> list[KernelLaunch]:
+    """The rotary forward and backward launches over queries and keys in the model's layout."""
+    B, _, T = ATTN_SHAPE
+    h, h_kv = ROPE_HEADS
+    dtype = DTYPES[case.dtype]
+    heads = lambda n: torch.empty((B, T, n, case.d_qk), dtype=dtype, device="meta").transpose(1, 2)
+    table = torch.empty((T, case.d_qk), dtype=dtype, device="meta")
+    q, k = heads(h), heads(h_kv)
+    return [rope.rotary_launch(q, k, q, k, table, table, transpose) for transpose in (False, True)]
+
+
+def glu_launches(case: Case) -> list[KernelLaunch]:
+    """The gated activation's (SwiGLU) forward and backward launches over LN_ROWS rows."""
+    x = torch.empty((LN_ROWS, case.width), dtype=DTYPES[case.dtype], device="meta")
+    return [glu.forward_launch(x, x, x, "silu"), glu.backward_launch(x, x, x, x, x, "silu")]
 
 
 def lce_launches(case: Case) -> list[KernelLaunch]:
@@ -182,9 +246,11 @@ def lce_launches(case: Case) -> list[KernelLaunch]:
 
 
 def case_launches(case: Case) -> list[KernelLaunch]:
-    if case.family == "attn":
-        return attention_launches(case)
-    return layer_norm_launches(case) if case.family == "ln" else lce_launches(case)
+    builders = {
+        "attn": attention_launches, "ln": layer_norm_launches, "rms": layer_norm_launches,
+        "rope": rope_launches, "glu": glu_launches, "lce": lce_launches,
+    }  # fmt: skip
+    return builders[case.family](case)
 
 
 def case_name(case: Case, launch: KernelLaunch) -> str:
@@ -193,7 +259,10 @@ def case_name(case: Case, launch: KernelLaunch) -> str:
         return f"dvo{case.d_vo}"
     if case.family == "attn":
         loads = "tma" if any(launch.kwargs.get(f) for f in ("KV_TMA", "QDO_TMA")) else "ptr"
-        return f"dqk{case.d_qk}-dvo{case.d_vo}-{'causal' if case.causal else 'full'}-{loads}"
+        variant = (f"-gqa{case.group}" if case.group > 1 else "") + ("-docs" if case.docs else "")
+        return f"dqk{case.d_qk}-dvo{case.d_vo}-{'causal' if case.causal else 'full'}{variant}-{loads}"
+    if case.family == "rope":
+        return f"d{case.d_qk}-h{ROPE_HEADS[0]}/{ROPE_HEADS[1]}"
     if case.family == "lce":
         variant = ("-bias" if case.bias else "") + ("" if case.grads else "-eval")
         return f"d{case.width}-v{LCE_VOCAB}{variant}"
@@ -251,9 +320,15 @@ def run_task(task: Task) -> dict:
             "d_qk": task.case.d_qk,
             "d_vo": task.case.d_vo,
             "causal": task.case.causal,
+            "group": task.case.group,
+            "docs": task.case.docs,
             "width": None,
         }
-    elif task.case.family == "ln":
+    elif task.case.family == "rope":
+        row |= {"head_dim": str(task.case.d_qk), "d_qk": task.case.d_qk, "width": None}
+    elif task.case.family == "glu":
+        row |= {"head_dim": None, "width": task.case.width}
+    elif task.case.family in ("ln", "rms"):
         row |= {"head_dim": None, "width": task.case.width, "residual": task.case.residual}
     else:
         row |= {"head_dim": None, "width": task.case.width, "bias": task.case.bias, "grads": task.case.grads}
@@ -267,7 +342,7 @@ def run_task(task: Task) -> dict:
     if (ctas := grid_ctas(launch)) is not None:
         resident = min(resident, math.ceil(ctas / target.sm_count))
     in_flight = None
-    if task.case.family == "ln" and analysis.loop_ldg_bytes is not None:
+    if task.case.family in ("ln", "rms") and analysis.loop_ldg_bytes is not None:
         # Lanes of the padded columns (BLOCK_N > N) are masked off and fetch nothing.
         useful = min(1.0, task.case.width / config.kwargs["BLOCK_N"])
         in_flight = round(analysis.loop_ldg_bytes * useful) * resident
@@ -319,17 +394,23 @@ def build_cases(args: argparse.Namespace) -> list[Case]:
     cases = []
     for arch in args.arch:
         for dtype in args.dtype:
-            for d_qk, d_vo in args.head_dims:
-                for mask in args.masks:
-                    has_tma = arch >= fa.TMA_MIN_CAPABILITY
-                    if "auto" in args.loads or not has_tma:  # the launchers' choice: TMA on sm_90
-                        cases.append(Case("attn", arch, dtype, d_qk, d_vo, causal=MASKS[mask]))
-                    if "pointers" in args.loads and has_tma:
-                        # the pointer path that inputs TMA cannot address take on sm_90
-                        cases.append(Case("attn", arch, dtype, d_qk, d_vo, causal=MASKS[mask], tma=False))
-            for width in args.widths:
-                for residual in (False, True):
-                    cases.append(Case("ln", arch, dtype, width=width, residual=residual))
+            for (d_qk, d_vo), mask, variant in itertools.product(
+                args.head_dims, args.masks, args.attn_variants
+            ):
+                group, docs = ATTN_VARIANTS[variant]
+                attn = dict(causal=MASKS[mask], group=group, docs=docs)
+                has_tma = arch >= fa.TMA_MIN_CAPABILITY
+                if "auto" in args.loads or not has_tma:  # the launchers' choice: TMA on sm_90
+                    cases.append(Case("attn", arch, dtype, d_qk, d_vo, **attn))
+                if "pointers" in args.loads and has_tma:
+                    # the pointer path that inputs TMA cannot address take on sm_90
+                    cases.append(Case("attn", arch, dtype, d_qk, d_vo, tma=False, **attn))
+            for family, widths in (("ln", args.widths), ("rms", args.rms_widths)):
+                for width in widths:
+                    for residual in (False, True):
+                        cases.append(Case(family, arch, dtype, width=width, residual=residual))
+            cases += [Case("rope", arch, dtype, d_qk=d, d_vo=d) for d in args.rope_head_dims]
+            cases += [Case("glu", arch, dtype, width=width) for width in args.glu_widths]
             for width in args.lce_widths:
                 for variant in args.lce_variants:
                     bias, grads = LCE_VARIANTS[variant]
@@ -521,6 +602,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="attention load paths: auto (the launchers' choice: TMA on sm_90), pointers (the cp.async "
         "path sm_90 takes for inputs TMA cannot address); default both",
     )
+    parser.add_argument(
+        "--attn-variants",
+        type=lambda s: [v for v in s.split(",") if v],
+        default=list(ATTN_VARIANTS),
+        help="attention variants: plain, gqa (4 query heads per key/value head), docs (packed "
+        "documents), gqa-docs; default all",
+    )
+    parser.add_argument("--rms-widths", type=_int_list, default=list(RMS_WIDTHS), help="RMS-norm widths")
+    parser.add_argument(
+        "--rope-head-dims", type=_int_list, default=list(ROPE_HEAD_DIMS), help="rotary head widths"
+    )
+    parser.add_argument(
+        "--glu-widths", type=_int_list, default=list(GLU_WIDTHS), help="gated-activation widths (d_ff)"
+    )
     parser.add_argument("--json", metavar="FILE", help="write every row as JSON")
     parser.add_argument("--dump", metavar="DIR", help="write each cubin to DIR")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="compiler processes")
@@ -543,6 +638,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for loads in args.loads:
         if loads not in LOADS:
             parser.error(f"--loads {loads}: choose from {', '.join(LOADS)}")
+    for variant in args.attn_variants:
+        if variant not in ATTN_VARIANTS:
+            parser.error(f"--attn-variants {variant}: choose from {', '.join(ATTN_VARIANTS)}")
     for variant in args.lce_variants:
         if variant not in LCE_VARIANTS:
             parser.error(f"--lce-variants {variant}: choose from {', '.join(LCE_VARIANTS)}")

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from lmsys.core.errors import CheckpointError
-from lmsys.interop.exports import export_checkpoint, load_export, load_model
+from lmsys.interop.export_dir import export_checkpoint, load_export, load_model
 from tests.unit.interop.test_export import _keys
 
 

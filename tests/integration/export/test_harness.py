@@ -27,7 +27,7 @@ import torch
 
 from tests.fixtures.exports import SEQ, run_clis
 from tests.unit.inference.test_evaluate import held_out_text
-from tests.unit.inference.test_harness import PROMPTS, ROLLING_TEXT, TASKS, UNTIL
+from tests.unit.inference.test_lm_eval_model import PROMPTS, ROLLING_TEXT, TASKS, UNTIL
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def test_rolling_perplexity_equals_lmsys_eval(harness_runs):
 
 def test_generation_equals_lmsys_generate(harness_runs, hf_export):
     from lmsys.inference.generation import generate
-    from lmsys.interop.exports import load_export
+    from lmsys.interop.export_dir import load_export
 
     root, _ = harness_runs
     _, samples = _lm_eval_output(root / "lmsys")
@@ -202,7 +202,7 @@ def _lm_eval_output(out: Path) -> tuple[dict, dict[str, list[dict]]]:
 
 def _direct_accuracy(export: Path) -> tuple[float, list[list[float]]]:
     """(accuracy, each question's choice log-likelihoods) computed here from the model."""
-    from lmsys.interop.exports import load_export
+    from lmsys.interop.export_dir import load_export
 
     model, tok, _ = load_export(export)
     scores, correct = [], []

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmsys.interop.exports import export_checkpoint
+from lmsys.interop.export_dir import export_checkpoint
 
 # GPT-2's function at a shape no GPT-2 has: width 48 over 3 heads, d_ff not 4x, another eps.
 

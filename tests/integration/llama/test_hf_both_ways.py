@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lmsys.core.errors import ExportError
-from lmsys.interop.exports import import_checkpoint
+from lmsys.interop.export_dir import import_checkpoint
 from tests.fixtures.exports import assert_one_line_error, run_clis
 from tests.fixtures.family import CONTEXT
 

@@ -33,11 +33,15 @@ TUTORIAL_LOOP_INSTRUCTIONS = 523
 SUBSET_ARGS = [
     "--arch", "80,90", "--dtype", "bf16", "--head-dims", "64,128", "--masks", "causal",
     "--loads", "auto", "--widths", "768,1600,8192,16384", "--lce-widths", "768", "--lce-variants", "train",
+    "--attn-variants", "plain,gqa-docs", "--rms-widths", "1024,16384", "--rope-head-dims", "128",
+    "--glu-widths", "3072",
 ]  # fmt: skip
 LCE_GEMMS = {"lce_fwd", "lce_bwd_dh", "lce_bwd_dw"}
 ALL_KERNELS = {
     "attn_fwd", "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq",
     "ln_fwd", "ln_fwd_residual", "ln_bwd", "ln_bwd_residual", "ln_bwd_row_sums",
+    "rms_fwd", "rms_fwd_residual", "rms_bwd", "rms_bwd_residual", "rms_bwd_row_sums",
+    "rope_fwd", "rope_bwd", "glu_fwd", "glu_bwd",
     "lce_lse", *LCE_GEMMS,
 }  # fmt: skip
 
@@ -143,6 +147,36 @@ def test_layer_norm_backward_keeps_enough_loads_in_flight(subset):
     lnb = [r for r in rows if r["kernel"] in ("ln_bwd", "ln_bwd_residual")]
     assert {r["width"] for r in lnb} == {768, 1600, 8192, 16384}
     for r in lnb:
+        target = next(t for t in aot.TARGETS.values() if t.name == r["arch"])
+        assert r["in_flight_bytes_per_sm"] >= 2 * target.little_bytes_per_sm, r
+
+
+def test_grouped_and_packed_attention_compile_for_both_targets(subset):
+    """Grouped-query heads with packed documents: every listed tiling of the three attention
+    kernels at both head widths, on both targets, beside the plain ones."""
+    _, rows = subset
+    for arch in ("sm_80", "sm_90"):
+        for kernel in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"):
+            plain = {
+                (r["d_qk"], r["config"])
+                for r in rows
+                if (r["kernel"], r["arch"]) == (kernel, arch) and not r["docs"]
+            }
+            packed = {
+                (r["d_qk"], r["config"])
+                for r in rows
+                if (r["kernel"], r["arch"]) == (kernel, arch) and r["docs"]
+            }
+            assert packed == plain and {d for d, _ in packed} == {64, 128}, (kernel, arch)
+            assert all(r["group"] == 4 for r in rows if r["kernel"] == kernel and r["docs"])
+
+
+def test_rms_norm_backward_keeps_enough_loads_in_flight(subset):
+    """The RMS formula's backward, as the layer norm's: twice what Little's law asks."""
+    _, rows = subset
+    rms = [r for r in rows if r["kernel"] in ("rms_bwd", "rms_bwd_residual")]
+    assert {r["width"] for r in rms} == {1024, 16384}
+    for r in rms:
         target = next(t for t in aot.TARGETS.values() if t.name == r["arch"])
         assert r["in_flight_bytes_per_sm"] >= 2 * target.little_bytes_per_sm, r
 

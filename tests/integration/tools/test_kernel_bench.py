@@ -12,13 +12,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_bench_smoke_runs_and_prints_ratios(tmp_path):
-    csv_path = tmp_path / "bench.csv"
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """`python -m tools.bench kernels --smoke --csv`, once for the tests that read it."""
+    csv_path = tmp_path_factory.mktemp("bench") / "bench.csv"
     proc = subprocess.run(
         [sys.executable, "-m", "tools.bench", "kernels", "--smoke", "--csv", str(csv_path)],
         cwd=REPO_ROOT,
@@ -26,6 +29,11 @@ def test_bench_smoke_runs_and_prints_ratios(tmp_path):
         text=True,
         timeout=600,
     )
+    return proc, csv_path
+
+
+def test_bench_smoke_runs_and_prints_ratios(smoke_run):
+    proc, csv_path = smoke_run
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     out = proc.stdout
     header = next((line for line in out.splitlines() if line.startswith("op ")), None)
@@ -47,6 +55,29 @@ def test_bench_smoke_runs_and_prints_ratios(tmp_path):
             assert row["ours_pct_peak_hbm"] != "-", row
         else:  # the peak bandwidth of a CPU is unknown: n/a, not a made-up percentage
             assert row["ours_pct_peak_hbm"] == "n/a", row
+
+
+LLAMA_OPS = {
+    "rms_norm fwd", "rms_norm fwd+bwd", "rotary fwd+bwd", "swiglu fwd+bwd", "attention gqa fwd+bwd",
+    "attention docs fwd+bwd",
+}  # fmt: skip
+
+
+def test_llama_family_rows(smoke_run):
+    """The Llama family's kernels have their rows, each against its torch path (the packed
+    documents also against our kernel over the same rows as one document)."""
+    proc, csv_path = smoke_run
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    with csv_path.open(newline="") as f:
+        rows = [row for row in csv.DictReader(f) if row["op"] in LLAMA_OPS]
+    assert {row["op"] for row in rows} == LLAMA_OPS
+    baselines = {(row["op"], row["baseline"]) for row in rows}
+    assert ("attention docs fwd+bwd", "ours, one document") in baselines, baselines
+    assert ("rms_norm fwd+bwd", "rms_norm_reference") in baselines, baselines
+    for row in rows:
+        assert math.isfinite(float(row["ratio"])), row
+    docs = next(row for row in rows if row["op"] == "attention docs fwd+bwd")
+    assert "docs=4x32" in docs["shape"], docs
 
 
 def test_bench_ce_runs_each_variant_in_its_own_process():

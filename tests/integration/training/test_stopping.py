@@ -144,7 +144,7 @@ def test_ctrl_c_saves_the_step_in_one_line_and_exits_130(runs, tmp_path, nproc):
     want = f"lmsys-train: interrupted: saving step {step} ... saved {tag}; continue with: "
     assert line == want + continued(prefix, overrides, run_dir)
     assert ckpt.find_latest(run_dir, pytest.fail).tag_dir == tag
-    if nproc == 1:  # resumed: the uninterrupted run's losses (the 2-rank case: tests/launch)
+    if nproc == 1:  # resumed: the uninterrupted run's losses (the 2-rank case: tests/integration/launch)
         overrides = [o for o in overrides if not o.startswith("trainer.debug")]
         resumed = run_train("resumed", 1, overrides, run_dir, cwd=tmp_path).check()
         assert f"(step {step})" in resumed.stdout

@@ -12,8 +12,8 @@ from lm_eval.api.instance import Instance
 
 from lmsys.inference.evaluation import evaluate_text
 from lmsys.inference.generation import generate
-from lmsys.inference.harness import LmsysLM
-from lmsys.interop.exports import load_export
+from lmsys.inference.lm_eval_model import LmsysLM
+from lmsys.interop.export_dir import load_export
 from tests.fixtures.family import PIECES
 
 TEXT = "Return a new list of the items in the order given. The default value of the argument is None. " * 3

@@ -233,7 +233,7 @@ def test_stream_prints_text_as_tokens_arrive_and_keeps_characters_whole(tokenize
 
 def test_generation_from_an_export_matches_the_model(random_export):
     """load_export + generate gives what the in-memory model gives (export is lossless)."""
-    from lmsys.interop.exports import load_export
+    from lmsys.interop.export_dir import load_export
 
     model, tok, _ = load_export(random_export)
     torch.manual_seed(0)

@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from lmsys.core.config import compose_model
 from lmsys.core.errors import ExportError
-from lmsys.interop.exports import export_checkpoint, load_export, write_export
+from lmsys.interop.export_dir import export_checkpoint, load_export, write_export
 from lmsys.model.transformer import Transformer
 from tests.fixtures.family import CONTEXT, FAMILIES, PIECES
 from tests.hf_files import moved_off_init

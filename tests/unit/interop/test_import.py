@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from lmsys.data.tokenizer import Tokenizer
-from lmsys.interop.exports import export_checkpoint, import_checkpoint, load_export
+from lmsys.interop.export_dir import export_checkpoint, import_checkpoint, load_export
 from tests.fixtures.data import UNICODE_SAMPLES
 from tests.fixtures.exports import BPE_VOCAB, SEQ
 from tests.stdlib_text import module_docstrings

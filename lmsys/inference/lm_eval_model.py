@@ -51,7 +51,7 @@ from lmsys.core.runtime import resolve_device, resolve_dtype
 from lmsys.inference.generation import Sampling, fit_prompt, generate_batch
 from lmsys.inference.lengths import choose_window
 from lmsys.inference.scoring import loglikelihoods
-from lmsys.interop.exports import load_model
+from lmsys.interop.export_dir import load_model
 from lmsys.model.ops import prepare_kernels
 
 MODEL_NAME = "lmsys"

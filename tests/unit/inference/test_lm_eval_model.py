@@ -14,7 +14,7 @@ import tomllib
 import torch
 from lm_eval.api.instance import Instance
 
-from lmsys.inference.harness import HarnessError, LmsysLM
+from lmsys.inference.lm_eval_model import HarnessError, LmsysLM
 from tests.fixtures.exports import REPO_ROOT, small_config
 from tests.unit.inference.test_evaluate import held_out_text
 
@@ -36,7 +36,7 @@ def _requests(kind: str, args: list[tuple]) -> list[Instance]:
 def test_bos_shift_models_roll_like_lmsys_eval(tmp_path, tokenizer_path):
     """seed_trax (bos_shift): every window starts with bos_shift_id, as in lmsys-eval."""
     from lmsys.inference.evaluation import evaluate_text
-    from lmsys.interop.exports import write_export
+    from lmsys.interop.export_dir import write_export
     from lmsys.model.transformer import Transformer
 
     cfg = small_config("seed_trax")
@@ -117,7 +117,7 @@ def test_lm_evals_argument_mistakes_are_one_line(random_export, capfd):
 def test_the_results_table_has_lm_evals_headers():
     """lm_eval's results table as both commands print it: its own column names (pytablewriter
     0.38 printed `| A | B | C |...` instead)."""
-    from lmsys.inference.harness import results_table
+    from lmsys.inference.lm_eval_model import results_table
 
     results = {
         "results": {"my_task": {"alias": "my_task", "acc,none": 0.5, "acc_stderr,none": 0.1}},
