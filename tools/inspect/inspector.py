@@ -262,7 +262,7 @@ def case_name(case: Case, launch: KernelLaunch) -> str:
         variant = (f"-gqa{case.group}" if case.group > 1 else "") + ("-docs" if case.docs else "")
         return f"dqk{case.d_qk}-dvo{case.d_vo}-{'causal' if case.causal else 'full'}{variant}-{loads}"
     if case.family == "rope":
-        return f"d{case.d_qk}-h{ROPE_HEADS[0]}/{ROPE_HEADS[1]}"
+        return f"d{case.d_qk}-h{ROPE_HEADS[0]}-kv{ROPE_HEADS[1]}"
     if case.family == "lce":
         variant = ("-bias" if case.bias else "") + ("" if case.grads else "-eval")
         return f"d{case.width}-v{LCE_VOCAB}{variant}"

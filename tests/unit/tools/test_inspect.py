@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernels import runtime
-from tools.inspect import aot, candidates
+from tools.inspect import aot, candidates, inspector
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 FA = importlib.import_module("kernels.flash_attention")
@@ -211,3 +211,14 @@ def test_load_bytes_from_modifiers():
     ]
     assert aot.ldg_bytes(ldg, num_warps=2) == (16 + 2 + 16) * 32 * 2
     assert aot.global_load_paths(ldg) == ["cp.async", "ldg"]
+
+
+def test_every_row_key_is_a_file_name():
+    """--dump names each cubin after its row's key, so no part of a key may hold a path separator."""
+    args = inspector.parse_args(["--rope-head-dims", "64,128", "--attn-variants", "plain,gqa-docs"])
+    tasks = inspector.build_tasks(inspector.build_cases(args), wider=False, dump_dir=None)
+    assert {t.case.family for t in tasks} >= {"attn", "ln", "rms", "rope", "glu", "lce"}
+    for task in tasks:
+        launch = next(lc for lc in inspector.case_launches(task.case) if lc.name == task.kernel)
+        name = inspector.case_name(task.case, launch)
+        assert "/" not in name and "/" not in str(dict(task.config)), (task.kernel, name)
