@@ -1056,6 +1056,15 @@ _WIDE_HEADS: dict[str, dict[int, dict[int, list[Tile]]]] = {
 }  # fmt: skip
 GENERATIONS = (80, 90)  # the targets the lists were inspected on
 
+# Packed documents (HAS_DOCS) hold each row's document bounds in registers on top: the listed tiles
+# that then spill, by kernel, padded head width (64: up to 64) and generation, bf16, causal, with
+# grouped heads (`python -m tools.inspect --attn-variants gqa-docs`, Triton 3.9).
+_SPILL_WITH_DOCUMENTS: dict[str, dict[int, dict[int, set[Tile]]]] = {
+    "fwd": {64: {80: {(64, 128, 4, 2)}}},
+    "dkdv": {64: {80: {(64, 128, 8, 2)}}, 128: {80: {(16, 64, 4, 3)}, 90: {(16, 64, 4, 3), (32, 64, 4, 3)}}},
+    "dq": {64: {80: {(64, 64, 4, 2)}}},
+}
+
 # Report names of the tuned kernels.
 KERNEL_NAMES = {"fwd": "attn_fwd", "dkdv": "attn_bwd_dkdv", "dq": "attn_bwd_dq"}
 
@@ -1063,13 +1072,16 @@ KERNEL_NAMES = {"fwd": "attn_fwd", "dkdv": "attn_bwd_dkdv", "dq": "attn_bwd_dq"}
 TMA_MIN_CAPABILITY = 90
 
 
-def listed_configs(kind: str, head_width: int, capability: int) -> list[Tile]:
-    """The candidates listed for a padded head width on a GPU of `capability`."""
-    by_generation = _WIDE_HEADS[kind].get(head_width)
-    if by_generation is None:  # up to 64
-        return CONFIGS[kind]
+def listed_configs(kind: str, head_width: int, capability: int, documents: bool = False) -> list[Tile]:
+    """The candidates listed for a padded head width on a GPU of `capability`, with or without
+    packed documents."""
     generation = max((g for g in GENERATIONS if g <= capability), default=GENERATIONS[0])
-    return by_generation[generation]
+    by_generation = _WIDE_HEADS[kind].get(head_width)
+    listed = CONFIGS[kind] if by_generation is None else by_generation[generation]  # None: up to 64
+    if not documents:
+        return listed
+    spills = _SPILL_WITH_DOCUMENTS[kind].get(max(head_width, 64), {}).get(generation, set())
+    return [tile for tile in listed if tile not in spills] or listed
 
 
 def _launch_capability(device: torch.device) -> int | None:
@@ -1108,7 +1120,8 @@ def prune_configs(
     3. `runtime.prune_configs`: what fits the device's shared memory, preferring blocks no longer
        than the sequence (longer ones only waste work).
     """
-    listed = set(listed_configs(kind, max(args["BLOCK_DQK"], args["BLOCK_DVO"]), device.capability))
+    width = max(args["BLOCK_DQK"], args["BLOCK_DVO"])
+    listed = set(listed_configs(kind, width, device.capability, bool(args.get("HAS_DOCS"))))
     pool = [c for c in configs if _tile(c) in listed] or list(configs)
     elem = args["Q"].element_size()
     if elem == 4:
