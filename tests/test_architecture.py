@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("kernels", "lmsys.core")),
     ("model and data", ("lmsys.model", "lmsys.data")),
     ("engine and checkpoints", ("lmsys.engine",)),
+    ("planning", ("lmsys.planning",)),
     (
         "training, inference, interop, sweeps",
         ("lmsys.training", "lmsys.inference", "lmsys.interop", "lmsys.sweep"),

@@ -31,6 +31,7 @@ from typing import Any
 
 from lmsys.core.config import Config, LoggerConfig
 from lmsys.core.console import Console
+from lmsys.core.devices import device_name
 from lmsys.core.rundir import (
     CheckpointRecord,
     EvalRecord,
@@ -42,7 +43,6 @@ from lmsys.core.rundir import (
 )
 from lmsys.core.runtime import Setup
 from lmsys.engine.zero import EngineInfo
-from lmsys.training.devices import device_name
 from lmsys.training.plots import plot_losses
 
 
