@@ -3,7 +3,7 @@ config, world size and device, before anything starts.
 
     lmsys-plan model=gpt2_1558m trainer=gpt2 optim=gpt2 world=8 device=h100
     lmsys-plan model=gpt2_124m trainer=gpt2 deepspeed=zero3 world=32 device=a100-80gb json=true
-    lmsys-plan model=llama3_2_1b trainer=gpt2 world=4 device=l40s check=true   # exit 3: does not fit
+    lmsys-plan model=llama3_2_1b trainer=gpt2 data.seq_len=1024 world=8 device=l40s check=true
     python -m lmsys.plan model=seed_trax trainer.global_batch_tokens=32768 world=2   # this machine's CPU
 
 Arguments: the overrides lmsys-train takes (model=..., deepspeed=zero3, trainer.micro_batch_size=4,
@@ -15,7 +15,7 @@ model.init_from=EXPORT, ...), plus
   device_memory=BYTES   each rank's usable memory instead (another card, or a shared one)
   json=true             one JSON object: peak_bytes, components (adding up to peak_bytes),
                         device_bytes, fits, host_bytes, step_time_s, run_time_s, suggestions, ...
-  check=true            exit 3 when the launch is predicted not to fit (for scripts)
+  check=true            exit 3 when the launch is predicted not to fit (scripts: `|| ...`)
 
 The memory comes from the model's own forward and backward traced on fake tensors, with ZeRO's
 arithmetic over it; what each component counts, where the figures come from and how accurate

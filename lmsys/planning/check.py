@@ -14,10 +14,9 @@ from lmsys.core.devices import Device, cpu_device, this_gpu
 from lmsys.core.errors import ConfigError
 from lmsys.model.ops import prepare_kernels
 from lmsys.planning.plan import Plan, plan_launch
-from lmsys.planning.report import mib, startup_line
+from lmsys.planning.report import evaluation_warning, mib, startup_line
 
-PLAN_CHOICES = ("auto", "refuse", "warn", "off")
-__all__ = ["PLAN_CHOICES", "Plan", "check_plan", "mib", "run_device", "startup_line"]
+__all__ = ["Plan", "check_plan", "evaluation_warning", "mib", "run_device", "startup_line"]
 
 
 def run_device(cfg: Config) -> Device:

@@ -48,15 +48,6 @@ CPU_MARGIN = 0.05  # glibc's arenas beside the tensors, on a CPU (an assumption)
 HOST_ADAM_BYTES_PER_PARAM = 30
 HOST_EFFICIENCY = 0.7
 INTER_NODE_BYTES_PER_S = 50e9  # per GPU between nodes: a 400 Gb/s NIC per GPU (an assumption)
-COMPONENTS = (
-    "parameters",
-    "optimizer_states",
-    "gradients",
-    "activations",
-    "zero_buffers",
-    "workspace",
-    "allocator_margin",
-)
 
 
 def precision_of(cfg: Config, device: Device) -> str:
@@ -210,8 +201,10 @@ def step_time(
     )
     compute = flops / (peak * device.mfu.value)
     p = 4 if precision_of(cfg, device) == "fp32" else 2
-    ring = 2 * (world - 1) / world * trace.n_params * p  # the gradients' reduce(-scatter)
-    comm = ring * (2 if cfg.deepspeed.stage == 3 else 1)  # ZeRO-3 all-gathers the parameters too
+    # ring traffic of the gradients' reduce(-scatter): once a step at ZeRO-0/1, after every
+    # micro-batch from ZeRO-2; ZeRO-3 also all-gathers the parameters for each forward and backward
+    stage, ring = cfg.deepspeed.stage, 2 * (world - 1) / world * trace.n_params * p
+    comm = ring * (batch.grad_accum if stage >= 2 else 1) + (ring * batch.grad_accum if stage == 3 else 0)
     link = device.link_bytes_per_s if world <= device.gpus_per_node else INTER_NODE_BYTES_PER_S
     offload = offload_time_s(cfg, world, device, batch, trace.n_params)
     seconds = max(compute, comm / (link or INTER_NODE_BYTES_PER_S)) + offload
@@ -232,7 +225,9 @@ def evaluation(
         if not Path(cfg.data.dir).is_dir():
             return None, None
         try:
-            sequences = len(PreparedData(cfg.data.dir).split("val")) // batch.tokens_per_sample
+            # the manifest's counts only: the trainer's own opening checks the shards' ids
+            val = PreparedData(cfg.data.dir, full_check_bytes=0, id_check_bytes=0).split("val")
+            sequences = len(val) // batch.tokens_per_sample
         except (LmsysError, OSError):  # not prepared here: the plan cannot count the split
             return None, None
         forwards = -(-sequences // (batch.micro_batch_size * batch.world_size))

@@ -33,6 +33,23 @@ def evaluation_words(plan: Plan) -> str:
     )
 
 
+def evaluation_warning(plan: Plan) -> str | None:
+    """A warning when the run's evaluations would take more compute than its training (a forward
+    is about a third of a training step's FLOPs), with the setting that caps them."""
+    if plan.evaluation_forwards is None or not plan.evaluations:
+        return None
+    evaluating = plan.evaluations * plan.evaluation_forwards
+    training = 3 * plan.max_steps * plan.batch.grad_accum
+    if evaluating <= training:
+        return None
+    share = evaluating / (evaluating + training)
+    return (
+        f"evaluations would take about {share:.0%} of the run's compute ({plan.evaluations} of "
+        f"{plan.evaluation_forwards} forwards per rank each); trainer.eval_batches=N caps each at N "
+        "forwards, trainer.eval_interval spaces them"
+    )
+
+
 def startup_line(plan: Plan) -> str:
     """lmsys-train's line before its first step: the prediction its measured peak is held against."""
     verdict = "fits" if plan.fits else "does NOT fit"
@@ -79,6 +96,9 @@ def report_lines(plan: Plan) -> list[str]:
     else:
         lines.append(f"time: {plan.time_source}")
     lines.append(evaluation_words(plan))
+    warning = evaluation_warning(plan)
+    if warning:
+        lines.append(f"warning: {warning}")
     if plan.suggestions:
         lines.append("what lowers the peak (predicted peak per rank):")
         for s in plan.suggestions:

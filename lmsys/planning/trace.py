@@ -232,19 +232,9 @@ class _NoInit(TorchFunctionMode):
     run torch's Python references, whose first call imports torch._dynamo (about 2 s of CPU at
     every launch) to fill tensors that have no data."""
 
-    SKIPPED = frozenset(
-        {
-            torch.Tensor.normal_,
-            torch.Tensor.uniform_,
-            nn.init.normal_,
-            nn.init.uniform_,
-            nn.init.trunc_normal_,
-            nn.init.kaiming_uniform_,
-            nn.init.kaiming_normal_,
-            nn.init.xavier_uniform_,
-            nn.init.xavier_normal_,
-        }
-    )
+    SKIPPED = frozenset({torch.Tensor.normal_, torch.Tensor.uniform_, nn.init.normal_, nn.init.uniform_,
+                         nn.init.trunc_normal_, nn.init.kaiming_uniform_, nn.init.kaiming_normal_,
+                         nn.init.xavier_uniform_, nn.init.xavier_normal_})  # fmt: skip
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         if func in self.SKIPPED:  # the tensor, unchanged (nn.init passes it by keyword)

@@ -29,7 +29,7 @@ from lmsys.core.config import TrainerConfig
 from lmsys.core.rundir import MemoryRecord, write_engine_stats
 from lmsys.core.runtime import Setup
 from lmsys.engine.zero import shard_stats
-from lmsys.planning.check import Plan, mib, startup_line
+from lmsys.planning.check import Plan, evaluation_warning, mib, startup_line
 from lmsys.training.components import Component, Loop, Step
 from lmsys.training.reporter import Reporter
 
@@ -56,6 +56,9 @@ class PeakMemory(Component):
         self.loop = loop
         if self.plan is not None:
             self.report.note(startup_line(self.plan))
+            warning = evaluation_warning(self.plan)
+            if warning:
+                self.report.warn(warning)
 
     def after_step(self, step: Step) -> None:
         self.applied_steps += step.applied

@@ -21,6 +21,7 @@ from lmsys.interop.exports import write_export
 from lmsys.model.transformer import Transformer
 from lmsys.planning import trace as traced
 from lmsys.planning.plan import plan_launch
+from lmsys.planning.report import evaluation_warning, startup_line
 from lmsys.planning.zero import step_memory
 from lmsys.training.peak_memory import Measured, diagnoses_run, diagnosis, measured_peak_bytes, memory_line
 from tests.train.conftest import COMMON, REPO_ROOT, SEQ, child_env, run_train
@@ -184,6 +185,16 @@ def test_the_cpu_plan_gives_no_time_and_a_gpu_plan_counts_evaluations():
     gpu = _plan(["trainer.eval_batches=2", "trainer.max_steps=10", "trainer.eval_interval=4"], device="h100")
     assert gpu.evaluations == 3 and gpu.evaluation_forwards == 2 and gpu.evaluation_s > 0
     assert gpu.run_time_s == pytest.approx(10 * gpu.step_time_s + 3 * gpu.evaluation_s)
+
+
+def test_evaluations_that_would_outweigh_the_training_are_warned_about():
+    """trainer.eval_batches large against the run's steps: the startup line's warning names the
+    share of the compute and the setting that caps it; a modest evaluation says nothing."""
+    heavy = _plan(["trainer.eval_batches=500", "trainer.max_steps=10", "trainer.eval_interval=5"])
+    warning = evaluation_warning(heavy)
+    assert warning is not None and "trainer.eval_batches=N" in warning and "of the run's compute" in warning
+    assert evaluation_warning(_plan(["trainer.eval_batches=2"])) is None
+    assert "evaluation: 500 forward(s)" in startup_line(heavy)
 
 
 def _plan_cli(*args: str) -> subprocess.Popen:
