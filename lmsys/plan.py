@@ -12,7 +12,8 @@ model.init_from=EXPORT, ...), plus
   device=NAME           cpu (this machine; its memory shared by the ranks; no time), v100-16gb,
                         v100-32gb, a10g, l4, l40s, rtx3090, rtx4090, a6000, a100-40gb, a100-80gb,
                         h100, h200 (default: cpu)
-  device_memory=BYTES   each rank's usable memory instead (another card, or a shared one)
+  device_memory=BYTES   each rank's usable memory instead (another card, or a shared one;
+                        trainer.plan_memory_bytes=BYTES, as lmsys-train takes it, does the same)
   json=true             one JSON object: peak_bytes, components (adding up to peak_bytes),
                         device_bytes, fits, host_bytes, step_time_s, run_time_s, suggestions, ...
   check=true            exit 3 when the launch is predicted not to fit (scripts: `|| ...`)
@@ -84,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         world = _int("world", own.get("world", "1"), 1)
         memory = _int("device_memory", own["device_memory"], 1) if "device_memory" in own else 0
         as_json, check = _bool("json", own.get("json", "false")), _bool("check", own.get("check", "false"))
-        device = device_spec(own.get("device", "cpu"), memory)
         cfg = compose(overrides)
+        device = device_spec(own.get("device", "cpu"), memory or cfg.trainer.plan_memory_bytes)
         prepare_kernels(cfg.model.kernels, device.kind)  # the trace runs the target's kernels' ops
         plan = plan_launch(cfg, world, device)
         if as_json:

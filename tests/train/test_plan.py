@@ -214,6 +214,7 @@ def test_plan_command_json_check_and_errors():
         "check": _plan_cli(
             "model=gpt2_124m", "trainer=gpt2", "device=rtx4090", "device_memory=1000000", "check=true"
         ),  # fmt: skip
+        "given": _plan_cli("trainer.plan_memory_bytes=1000", "check=true"),  # as lmsys-train takes it
         "text": _plan_cli("world=2"),
         "device": _plan_cli("device=tpu"),
         "world": _plan_cli("world=3"),
@@ -228,6 +229,8 @@ def test_plan_command_json_check_and_errors():
     assert plan["device_bytes"] == int(79.25 * 2**30) and plan["fits"] is True and 0 < plan["mfu"] < 1
     code, stdout, stderr = out["check"]
     assert code == 3 and "does NOT fit" in stdout and "what lowers the peak" in stdout, stderr
+    code, stdout, stderr = out["given"]
+    assert code == 3 and "does NOT fit" in stdout, stderr
     code, stdout, _ = out["text"]
     assert code == 0 and "memory per rank" in stdout and "no time on a CPU" in stdout
     for name, needle in (
