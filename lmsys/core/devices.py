@@ -40,7 +40,7 @@ AMPERE = Mfu(
 HOPPER = Mfu(
     0.42,
     "llm-foundry's H100 benchmarks of MPT 760M-3B at T=2048 on 8-64 GPUs: 34.9-46.4%; llm.c's GPT-2 1558M on "
-    "8 H100 (about 33B tokens in 24 hours): about 48%",
+    "8 H100 (about 33B tokens in 24 hours): about 50%",
 )
 VOLTA = Mfu(0.32, "the ZeRO-Offload paper: 40 TFLOP/s a V100 (32% of 125) for a 10B model")
 DESKTOP = Mfu(
