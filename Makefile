@@ -56,21 +56,23 @@ TEST_WORKERS ?= 3
 # caches lmsys's bytecode, and each of the suite's ~400 Python processes would compile its
 # modules again (about 0.2 CPU-s each); a stale .pyc is recompiled in memory as before.
 test: $(VENV)/.installed
-	$(PY) -m compileall -q lmsys kernels launch
+	$(PY) -m compileall -q lmsys kernels launch tools
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --durations=25 $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
+# The kernel table (on CPU through the Triton interpreter: the code path only), then the training
+# loop against a plain PyTorch loop; every benchmark: `python -m tools.bench --help`.
 bench: $(VENV)/.installed
-	$(PY) -m kernels.bench
-	$(PY) -m lmsys.bench train
+	$(PY) -m tools.bench
 
 # Every kernel compiled for sm_80 and sm_90 without a GPU (kernels/README.md): registers, spills,
-# occupancy, SASS; fails on a kept config that spills or cannot launch. INSPECT_ARGS adds flags,
-# e.g. INSPECT_ARGS="--json inspect.json --dump cubins".
+# occupancy, SASS; fails on a listed config that spills or cannot launch. INSPECT_ARGS adds flags,
+# e.g. INSPECT_ARGS="--json inspect.json --dump cubins", or "--candidates" to see which of a wider
+# set of tilings pass.
 inspect: $(VENV)/.installed
-	$(PY) -m kernels.inspect $(INSPECT_ARGS)
+	$(PY) -m tools.inspect $(INSPECT_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -12,6 +12,14 @@ where the denominator r depends on the formula:
 
 then optionally y = gamma * xhat + beta (weight and bias are each optional).
 
+RMS normalisation (SPEC section 11, the Llama family) is a fourth formula of the same kernels,
+with its own public functions `rms_norm` / `add_rms_norm` (no mean, no bias):
+
+    "rms"           xhat = x / sqrt(mean(x^2) + eps),  y = gamma * round(xhat)
+
+where round() is the rounding to the input dtype that transformers' LlamaRMSNorm applies before
+the gain (kernels/reference.py, `rms_norm_reference`); statistics are fp32 as for every formula.
+
 What lmsys does with a constant row under "exact": var = 0, so xhat = 0 / 0. No eps is added
 behind the caller's back: the result is NaN whenever the row mean is computed exactly (N = 1,
 a row of zeros, most constant rows), and the gradients are NaN too. When rounding leaves the
@@ -21,9 +29,11 @@ way the output is meaningless; use an eps formula when constant rows can occur.
 Files follow the kernel pattern of docs/DESIGN.md: `_layer_norm_fwd_kernel` / `_layer_norm_bwd_kernel`
 (private, @triton.jit) -> host launchers `layer_norm_forward` / `layer_norm_backward` ->
 the custom ops beside them (`lmsys::layer_norm_fwd`, `lmsys::add_layer_norm_fwd`, and
-`lmsys::layer_norm_bwd` for both; fakes, `register_autograd`) -> `layer_norm` / `add_layer_norm`,
-which check the inputs and call the ops: the one path for callers and tests alike. The plain torch
-references `layer_norm_reference` / `add_layer_norm_reference` are in kernels/reference.py.
+`lmsys::layer_norm_bwd` for both; `lmsys::rms_norm_fwd`, `lmsys::add_rms_norm_fwd` and
+`lmsys::rms_norm_bwd`; fakes, `register_autograd`) -> `layer_norm` / `add_layer_norm` /
+`rms_norm` / `add_rms_norm`, which check the inputs and call the ops: the one path for callers and
+tests alike. The plain torch references `layer_norm_reference` / `add_layer_norm_reference` /
+`rms_norm_reference` are in kernels/reference.py.
 
 Statistics are always fp32; inputs may be fp32, fp16 or bf16 and outputs come back in the
 input dtype. (Under the Triton CPU interpreter, triton 3.x, the final fp32 -> bf16 rounding is
@@ -31,6 +41,10 @@ toward zero instead of to nearest even as on a GPU: bf16 results, the fused op's
 included, may differ from torch's by one bf16 ulp there.) Weight-gradient reductions are
 deterministic: fp32 partial sums per program into a (P, N) buffer, then a torch `.sum(0)`; no
 atomics, no locks.
+
+Tiling (kernels/runtime.py): not timed. Each launch has one config, derived from the row width
+(`_geometry`: whole rows in one tile up to a width, 16 values per thread), the same under the
+interpreter; `python -m tools.inspect` compiles it for every model width and the wide rows.
 """
 
 from __future__ import annotations
@@ -41,11 +55,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import KernelLaunch, device_sm_count
+from kernels import runtime
 from kernels.reference import (  # noqa: F401  (the tests import the references from here too)
     LAYER_NORM_FORMULAS,
     add_layer_norm_reference,
     layer_norm_reference,
+    rms_norm_reference,
 )
 
 __all__ = [
@@ -53,6 +68,8 @@ __all__ = [
     "MAX_N",
     "layer_norm",
     "add_layer_norm",
+    "rms_norm",
+    "add_rms_norm",
     "layer_norm_fwd",
     "add_layer_norm_fwd",
     "layer_norm_bwd",
@@ -60,10 +77,13 @@ __all__ = [
     "layer_norm_backward",
     "layer_norm_reference",
     "add_layer_norm_reference",
+    "rms_norm_reference",
 ]
 
 # Formula name -> the constexpr int the kernels branch on.
 FORMULAS: dict[str, int] = {name: i for i, name in enumerate(LAYER_NORM_FORMULAS)}  # -> FORMULA constexpr
+RMS = "rms"  # the fourth formula: `rms_norm` / `add_rms_norm` only (no mean, no bias)
+_FORMULA_CODES = {**FORMULAS, RMS: len(FORMULAS)}  # every formula the kernels compute -> constexpr
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 MAX_N = 65536  # widest row accepted (the issue's limit; wide rows loop over column chunks)
@@ -73,7 +93,7 @@ MAX_N = 65536  # widest row accepted (the issue's limit; wide rows loop over col
 _FWD_MAX_SINGLE_BLOCK = 16384
 _BWD_MAX_SINGLE_BLOCK = 8192
 # Tile elements per warp: 16 fp32 values per thread in both directions. Measured with
-# `python -m kernels.inspect` (Triton 3.9, ptxas -v), no tile the launchers pick spills on sm_80 or
+# `python -m tools.inspect` (Triton 3.9, ptxas -v), no tile the launchers pick spills on sm_80 or
 # sm_90: the forward takes 40-60 registers, the backward 100-128. The backward used 8 values per
 # thread before: 32 warps at N = 8192, where 1024 threads leave 64 registers each, and it spilled
 # 40 B (56 B with the residual gradient); and at N <= 2048 one 16-warp CTA of about 80 registers
@@ -93,8 +113,9 @@ _MAX_TILE = 16384  # static bound on BLOCK_M * BLOCK_N checked inside the kernel
 
 @triton.jit
 def _rstd_from_var(var, eps, FORMULA: tl.constexpr):
-    """1 / r(var) per row, fp32. FORMULA: 0 sqrt_var_eps, 1 std_plus_eps, 2 exact."""
-    if FORMULA == 0:
+    """1 / r(var) per row, fp32. FORMULA: 0 sqrt_var_eps, 1 std_plus_eps, 2 exact, 3 rms (var is
+    then the mean square)."""
+    if FORMULA == 0 or FORMULA == 3:
         rstd = 1.0 / tl.sqrt_rn(var + eps)
     elif FORMULA == 1:
         rstd = 1.0 / (tl.sqrt_rn(var) + eps)
@@ -135,7 +156,7 @@ def _layer_norm_fwd_kernel(
     Y,  # *T: (M, N) out: normalised (and affine) rows
     W,  # *Tw: (N,) gamma (read only if HAS_WEIGHT)
     B,  # *Tw: (N,) beta (read only if HAS_BIAS)
-    Mean,  # *fp32: (M,) out: row mean
+    Mean,  # *fp32: (M,) out: row mean (not written by "rms", which has none)
     Rstd,  # *fp32: (M,) out: row 1 / r(var), the statistic the backward needs
     stride_x,  # int: row stride of X, in elements
     stride_r,  # int: row stride of R
@@ -144,7 +165,7 @@ def _layer_norm_fwd_kernel(
     M,  # int: number of rows
     N,  # int: row width
     eps,  # fp32: eps of the formula (ignored by "exact")
-    FORMULA: tl.constexpr,  # 0 sqrt_var_eps, 1 std_plus_eps, 2 exact
+    FORMULA: tl.constexpr,  # 0 sqrt_var_eps, 1 std_plus_eps, 2 exact, 3 rms
     HAS_RESIDUAL: tl.constexpr,  # normalise X + R and store it to S
     HAS_WEIGHT: tl.constexpr,  # multiply by gamma
     HAS_BIAS: tl.constexpr,  # add beta
@@ -154,7 +175,8 @@ def _layer_norm_fwd_kernel(
 ):
     """One program normalises BLOCK_M consecutive rows. Grid: (cdiv(M, BLOCK_M),)."""
     tl.static_assert(BLOCK_M * BLOCK_N <= 16384)  # = _MAX_TILE: register budget per program
-    tl.static_assert((FORMULA >= 0) & (FORMULA <= 2))
+    tl.static_assert((FORMULA >= 0) & (FORMULA <= 3))
+    tl.static_assert(not (FORMULA == 3 and HAS_BIAS), "rms has no bias")
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     row_mask = rows < M
@@ -175,9 +197,30 @@ def _layer_norm_fwd_kernel(
             HAS_RESIDUAL,
             True,
         )  # (BLOCK_M, BLOCK_N) fp32
-        mean = tl.sum(x, axis=1) / N  # (BLOCK_M,)
-        xc = tl.where(mask, x - mean[:, None], 0.0)  # two-pass variance, exact in registers
+        if FORMULA == 3:  # rms: the mean square about 0 (masked lanes loaded as 0)
+            xc = x
+        else:
+            mean = tl.sum(x, axis=1) / N  # (BLOCK_M,)
+            xc = tl.where(mask, x - mean[:, None], 0.0)  # two-pass variance, exact in registers
         var = tl.sum(xc * xc, axis=1) / N  # (BLOCK_M,)
+    elif FORMULA == 3:
+        # Wide rows, rms: a sum of squares per lane, no mean to cancel against.
+        sq_l = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            c = start + cols
+            x = _load_ln_input(
+                X,
+                R,
+                S,
+                rows64 * stride_x + c[None, :],
+                rows64 * stride_r + c[None, :],
+                rows64 * stride_s + c[None, :],
+                row_mask[:, None] & (c[None, :] < N),
+                HAS_RESIDUAL,
+                True,
+            )
+            sq_l += x * x
+        var = tl.sum(sq_l, axis=1) / N  # (BLOCK_M,)
     else:
         # Wide rows: one sweep of Welford updates, each lane owning the columns lane, lane +
         # BLOCK_N, ... ; the lanes are merged with Chan's formula. No E[x^2] - E[x]^2 cancellation.
@@ -208,12 +251,15 @@ def _layer_norm_fwd_kernel(
         var = (tl.sum(m2_l, axis=1) + tl.sum(cnt_l * d * d, axis=1)) / N  # (BLOCK_M,)
 
     rstd = _rstd_from_var(var, eps, FORMULA)  # (BLOCK_M,)
-    tl.store(Mean + rows, mean, mask=row_mask)
+    if FORMULA != 3:
+        tl.store(Mean + rows, mean, mask=row_mask)
     tl.store(Rstd + rows, rstd, mask=row_mask)
 
     # Normalise (and affine) and write Y.
     if SINGLE_BLOCK:
         y = xc * rstd[:, None]
+        if FORMULA == 3:  # rounded to the output dtype before the gain, as the reference does
+            y = y.to(Y.dtype.element_ty).to(tl.float32)
         col_mask = cols < N
         if HAS_WEIGHT:
             y = y * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -238,7 +284,10 @@ def _layer_norm_fwd_kernel(
                 HAS_RESIDUAL,
                 False,
             )
-            y = (x - mean[:, None]) * rstd[:, None]
+            if FORMULA == 3:
+                y = (x * rstd[:, None]).to(Y.dtype.element_ty).to(tl.float32)
+            else:
+                y = (x - mean[:, None]) * rstd[:, None]
             if HAS_WEIGHT:
                 y = y * tl.load(W + c, mask=col_mask, other=0.0).to(tl.float32)[None, :]
             if HAS_BIAS:
@@ -266,6 +315,9 @@ def _layer_norm_fwd_kernel(
 #
 # and dgamma = sum_rows dy * xhat, dbeta = sum_rows dy. For the fused residual add the grad of
 # `summed` is added to dx, and x and residual both receive that dx.
+#
+# "rms": no mean (mu = 0 throughout, xhat = x * rstd, rstd = 1 / sqrt(mean(x^2) + eps)), so the
+# mean(g) term is absent and k = 1:  dx = rstd * (g - xhat * mean(g * xhat));  no dbeta.
 #
 # "std_plus_eps" at sigma = 0 (N = 1 or a constant row): xhat = 0 and mean(g * xhat) = 0 while
 # k = inf. The term is taken as 0, so dx = rstd * (g - mean(g)); for N = 1 that is exactly 0,
@@ -303,6 +355,7 @@ def _layer_norm_bwd_row_sums_kernel(
     HAS_WEIGHT: tl.constexpr,  # g = dy * gamma rather than dy
     BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_N: tl.constexpr,  # column chunk width
+    RMS: tl.constexpr = False,  # the "rms" formula: no mean (Mean is not read)
 ):
     """Wide rows only: the two row means of the VJP, before the column-parallel dx pass."""
     tl.static_assert(BLOCK_M * BLOCK_N <= 16384)
@@ -311,7 +364,10 @@ def _layer_norm_bwd_row_sums_kernel(
     row_mask = rows < M
     rows64 = rows.to(tl.int64)[:, None]  # (BLOCK_M, 1)
     cols = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    mean = tl.load(Mean + rows, mask=row_mask, other=0.0)[:, None]  # (BLOCK_M, 1)
+    if RMS:
+        mean = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
+    else:
+        mean = tl.load(Mean + rows, mask=row_mask, other=0.0)[:, None]  # (BLOCK_M, 1)
     rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)[:, None]
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # fp32 accumulation
     acc_gx = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -338,7 +394,7 @@ def _layer_norm_bwd_kernel(
     DY,  # *T: (M, N) grad of Y
     DS,  # *T: (M, N) grad of the fused op's `summed` output (read only if HAS_DS)
     DX,  # *T: (M, N) out: grad of X
-    Mean,  # *fp32: (M,) row mean from the forward
+    Mean,  # *fp32: (M,) row mean from the forward (not read by "rms")
     Rstd,  # *fp32: (M,) row 1 / r from the forward
     MG,  # *fp32: (M,) mean(g) per row (read only if not SINGLE_BLOCK)
     MGX,  # *fp32: (M,) mean(g * xhat) per row (read only if not SINGLE_BLOCK)
@@ -352,7 +408,7 @@ def _layer_norm_bwd_kernel(
     N,  # int: row width
     rows_per_program,  # int: rows handled by one program, a multiple of BLOCK_M
     eps,  # fp32: eps of the formula
-    FORMULA: tl.constexpr,  # 0 sqrt_var_eps, 1 std_plus_eps, 2 exact
+    FORMULA: tl.constexpr,  # 0 sqrt_var_eps, 1 std_plus_eps, 2 exact, 3 rms
     HAS_WEIGHT: tl.constexpr,  # g = dy * gamma; write DW_partial
     HAS_BIAS: tl.constexpr,  # write DB_partial
     HAS_DS: tl.constexpr,  # add DS to DX
@@ -364,7 +420,7 @@ def _layer_norm_bwd_kernel(
     chunk q. Grid: (P, cdiv(N, BLOCK_N)); with SINGLE_BLOCK there is one chunk. Each program owns
     row p of the partial buffers for its columns, which makes dgamma/dbeta deterministic."""
     tl.static_assert(BLOCK_M * BLOCK_N <= 16384)
-    tl.static_assert((FORMULA >= 0) & (FORMULA <= 2))
+    tl.static_assert((FORMULA >= 0) & (FORMULA <= 3))
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
@@ -381,20 +437,28 @@ def _layer_norm_bwd_kernel(
         mask = row_mask[:, None] & col_mask[None, :]  # (BLOCK_M, BLOCK_N)
         x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(Mean + rows, mask=row_mask, other=0.0)  # (BLOCK_M,)
         rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)  # (BLOCK_M,)
-        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if FORMULA == 3:  # rms: no mean
+            xhat = x * rstd[:, None]  # masked lanes loaded as 0
+        else:
+            mean = tl.load(Mean + rows, mask=row_mask, other=0.0)  # (BLOCK_M,)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         g = dy
         if HAS_WEIGHT:
             g = dy * w
         if SINGLE_BLOCK:
-            mg = tl.sum(g, axis=1) / N  # (BLOCK_M,)
             mgx = tl.sum(g * xhat, axis=1) / N  # (BLOCK_M,)
         else:
-            mg = tl.load(MG + rows, mask=row_mask, other=0.0)
             mgx = tl.load(MGX + rows, mask=row_mask, other=0.0)
         corr = _xhat_correction(mgx, rstd, eps, FORMULA)  # (BLOCK_M,)
-        dx = rstd[:, None] * (g - mg[:, None] - xhat * corr[:, None])
+        if FORMULA == 3:
+            dx = rstd[:, None] * (g - xhat * corr[:, None])
+        else:
+            if SINGLE_BLOCK:
+                mg = tl.sum(g, axis=1) / N  # (BLOCK_M,)
+            else:
+                mg = tl.load(MG + rows, mask=row_mask, other=0.0)
+            dx = rstd[:, None] * (g - mg[:, None] - xhat * corr[:, None])
         if HAS_DS:
             dx += tl.load(DS + rows64 * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + rows64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
@@ -413,11 +477,6 @@ def _layer_norm_bwd_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-def _interpreter_active() -> bool:
-    """True when the kernels were built for the Triton interpreter (TRITON_INTERPRET=1 at import)."""
-    return not isinstance(_layer_norm_fwd_kernel, triton.runtime.JITFunction)
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -429,10 +488,14 @@ def _check_inputs(
     eps: float,
     formula: str,
     residual: torch.Tensor | None = None,
+    formulas: tuple[str, ...] = tuple(FORMULAS),
 ) -> None:
-    """Raise one clear ValueError / TypeError for the first bad argument."""
-    if formula not in FORMULAS:
-        raise ValueError(f"unknown layer-norm formula {formula!r}; valid: {', '.join(FORMULAS)}")
+    """Raise one clear ValueError / TypeError for the first bad argument. `formulas`: those the
+    caller takes (the layer norm's; the launchers' also "rms", without a bias)."""
+    if formula not in formulas:
+        raise ValueError(f"unknown layer-norm formula {formula!r}; valid: {', '.join(formulas)}")
+    if formula == RMS and bias is not None:
+        raise ValueError("rms_norm has a gain and no bias; got a bias")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     supported = ", ".join(_dtype_name(d) for d in _SUPPORTED_DTYPES)
@@ -470,7 +533,7 @@ def _check_inputs(
     for name, t in (("residual", residual), ("weight", weight), ("bias", bias)):
         if t is not None and t.device != x.device:
             raise ValueError(f"x is on {x.device} but {name} is on {t.device}; tensors must share a device")
-    if x.device.type != "cuda" and not _interpreter_active():
+    if x.device.type != "cuda" and not runtime.interpreting():
         raise ValueError(
             f"Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 for the CPU interpreter; "
             f"got tensors on {x.device}"
@@ -522,7 +585,23 @@ def _bwd_partition(m: int, n: int, sm_count: int | None, block_n: int | None = N
 
 def _bwd_row_programs(m: int, n: int, device: torch.device, block_n: int | None = None) -> tuple[int, int]:
     """`_bwd_partition` for the GPU `device` is on."""
-    return _bwd_partition(m, n, device_sm_count(device), block_n)
+    return _bwd_partition(m, n, _sm_count(device), block_n)
+
+
+def _sm_count(device: torch.device) -> int | None:
+    """SMs of a CUDA device (the partitions fill them); None elsewhere (the interpreter)."""
+    limits = runtime.device_limits(device)
+    return limits.sm_count if limits is not None else None
+
+
+def _launch_name(formula: str, what: str, residual: bool) -> str:
+    """The report name of a launch: "ln_fwd", "ln_bwd_residual", "rms_fwd", ..."""
+    return f"{'rms' if formula == RMS else 'ln'}_{what}{'_residual' if residual else ''}"
+
+
+def _tiling(block_m: int, block_n: int, num_warps: int) -> triton.Config:
+    """A launch's geometry as its one config (num_stages: Triton's default)."""
+    return runtime.config({"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps})
 
 
 def forward_launch(
@@ -533,7 +612,7 @@ def forward_launch(
     formula: str,
     residual: torch.Tensor | None,  # (..., N) like x
     block_n: int | None = None,
-) -> tuple[KernelLaunch | None, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]]:
+) -> tuple[runtime.KernelLaunch | None, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]]:
     """The forward's launch (None when there are no rows) and its outputs (y, summed, mean, rstd),
     allocated on x's device, not yet computed."""
     n = x.shape[-1]
@@ -552,8 +631,8 @@ def forward_launch(
     block_m, bn, single, num_warps = _geometry(m, n, _FWD_MAX_SINGLE_BLOCK, _FWD_ELEMS_PER_WARP, block_n)
     w = weight.contiguous() if weight is not None else x2
     b = bias.contiguous() if bias is not None else x2
-    launch = KernelLaunch(
-        name="ln_fwd_residual" if residual is not None else "ln_fwd",
+    launch = runtime.KernelLaunch(
+        name=_launch_name(formula, "fwd", residual is not None),
         kernel=_layer_norm_fwd_kernel,
         grid=(triton.cdiv(m, block_m),),
         args=(
@@ -574,15 +653,13 @@ def forward_launch(
             float(eps),
         ),  # fmt: skip
         kwargs={
-            "FORMULA": FORMULAS[formula],
+            "FORMULA": _FORMULA_CODES[formula],
             "HAS_RESIDUAL": residual is not None,
             "HAS_WEIGHT": weight is not None,
             "HAS_BIAS": bias is not None,
-            "BLOCK_M": block_m,
-            "BLOCK_N": bn,
             "SINGLE_BLOCK": single,
-            "num_warps": num_warps,
         },
+        configs=[_tiling(block_m, bn, num_warps)],
     )
     return launch, outputs
 
@@ -599,7 +676,7 @@ def backward_launches(
     dsummed: torch.Tensor | None,  # (..., N) grad of the fused op's `summed`
     sm_count: int | None,  # SMs of the GPU (None: the interpreter)
     block_n: int | None = None,
-) -> tuple[list[KernelLaunch], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+) -> tuple[list[runtime.KernelLaunch], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
     """The backward's launches, in order (rows wider than one tile first get their row sums),
     and (dx, dweight_partial (P, N), dbias_partial (P, N)) allocated on x's device; dweight and
     dbias are the fixed-order column sums of the partials."""
@@ -622,25 +699,21 @@ def backward_launches(
         mg = torch.empty(m, dtype=torch.float32, device=x.device)
         mgx = torch.empty(m, dtype=torch.float32, device=x.device)
         launches.append(
-            KernelLaunch(
-                name="ln_bwd_row_sums",
+            runtime.KernelLaunch(
+                name=_launch_name(formula, "bwd_row_sums", False),
                 kernel=_layer_norm_bwd_row_sums_kernel,
                 grid=(m,),
                 args=(x2, w, dy2, mean, rstd, mg, mgx, x2.stride(0), dy2.stride(0), m, n),
-                kwargs={
-                    "HAS_WEIGHT": weight is not None,
-                    "BLOCK_M": 1,
-                    "BLOCK_N": bn,
-                    "num_warps": num_warps,
-                },
+                kwargs={"HAS_WEIGHT": weight is not None, **({"RMS": True} if formula == RMS else {})},
+                configs=[_tiling(1, bn, num_warps)],
             )
         )
     # Deterministic weight gradients: program p writes row p of these, then a fixed-order sum.
     dw_part = torch.empty((programs, n), dtype=torch.float32, device=x.device) if weight is not None else None
     db_part = torch.empty((programs, n), dtype=torch.float32, device=x.device) if bias is not None else None
     launches.append(
-        KernelLaunch(
-            name="ln_bwd_residual" if dsummed is not None else "ln_bwd",
+        runtime.KernelLaunch(
+            name=_launch_name(formula, "bwd", dsummed is not None),
             kernel=_layer_norm_bwd_kernel,
             grid=(programs, triton.cdiv(n, bn)),
             args=(
@@ -665,15 +738,13 @@ def backward_launches(
                 float(eps),
             ),  # fmt: skip
             kwargs={
-                "FORMULA": FORMULAS[formula],
+                "FORMULA": _FORMULA_CODES[formula],
                 "HAS_WEIGHT": weight is not None,
                 "HAS_BIAS": bias is not None,
                 "HAS_DS": dsummed is not None,
-                "BLOCK_M": block_m,
-                "BLOCK_N": bn,
                 "SINGLE_BLOCK": single,
-                "num_warps": num_warps,
             },
+            configs=[_tiling(block_m, bn, num_warps)],
         )
     )
     return launches, (dx, dw_part, db_part)
@@ -693,9 +764,9 @@ def layer_norm_forward(
 
     Returns (y, summed, mean, rstd): y like x; summed = x + residual (None without a residual),
     which is what was normalised; mean and rstd fp32 of shape (M,), M = x.numel() // N, with
-    rstd = 1 / r(var) of the chosen formula.
+    rstd = 1 / r(var) of the chosen formula ("rms" too: mean is then left unwritten).
     """
-    _check_inputs(x, weight, bias, eps, formula, residual)
+    _check_inputs(x, weight, bias, eps, formula, residual, tuple(_FORMULA_CODES))
     launch, outputs = forward_launch(x, weight, bias, eps, formula, residual, block_n)
     if launch is not None:
         launch.run()
@@ -722,11 +793,11 @@ def layer_norm_backward(
     (dx, dweight, dbias): dx like x; dweight/dbias in the weight/bias dtype, or None when there
     is no weight/bias.
     """
-    _check_inputs(x, weight, bias, eps, formula, dsummed)
+    _check_inputs(x, weight, bias, eps, formula, dsummed, tuple(_FORMULA_CODES))
     if dy.shape != x.shape:
         raise ValueError(f"dy shape {tuple(dy.shape)} differs from x shape {tuple(x.shape)}")
     launches, (dx, dw_part, db_part) = backward_launches(
-        dy, x, mean, rstd, weight, bias, eps, formula, dsummed, device_sm_count(x.device), block_n
+        dy, x, mean, rstd, weight, bias, eps, formula, dsummed, _sm_count(x.device), block_n
     )
     if not launches:  # no rows
         zeros = lambda p: torch.zeros_like(p) if p is not None else None
@@ -903,4 +974,124 @@ def add_layer_norm(
         raise TypeError("residual must be a torch.Tensor, got NoneType")
     _check_inputs(x, weight, bias, eps, formula, residual)
     normed, summed, _, _ = add_layer_norm_fwd(x, residual, weight, bias, float(eps), formula)
+    return normed, summed
+
+
+# ---------------------------------------------------------------------------------------------
+# RMS norm: the same kernels with the "rms" formula, its own ops (no mean, no bias)
+# ---------------------------------------------------------------------------------------------
+# The forward ops return the fp32 rstd beside their outputs; the backward op passes it as both
+# statistics (the kernels read no mean under "rms").
+
+
+@torch.library.custom_op("lmsys::rms_norm_fwd", mutates_args=())
+def rms_norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y like x, rstd (M,) fp32): the "rms" `layer_norm_forward` as an op."""
+    y, _, _, rstd = layer_norm_forward(x, weight, None, eps, RMS)
+    return y, rstd
+
+
+@rms_norm_fwd.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape), _stats_like(x)
+
+
+@torch.library.custom_op("lmsys::add_rms_norm_fwd", mutates_args=())
+def add_rms_norm_fwd(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(normed like x, summed = x + residual, rstd (M,) fp32): the fused "rms" forward as an op."""
+    normed, summed, _, rstd = layer_norm_forward(x, weight, None, eps, RMS, residual=residual)
+    return normed, summed, rstd
+
+
+@add_rms_norm_fwd.register_fake
+def _(x, residual, weight, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape), _stats_like(x)
+
+
+@torch.library.custom_op("lmsys::rms_norm_bwd", mutates_args=())
+def rms_norm_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    dsummed: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dweight): the "rms" `layer_norm_backward` as an op; dweight is an empty tensor when
+    there is no weight."""
+    dx, dweight, _ = layer_norm_backward(dy, x, rstd, rstd, weight, None, eps, RMS, dsummed)
+    return dx, dweight if dweight is not None else x.new_empty(_EMPTY)
+
+
+@rms_norm_bwd.register_fake
+def _(dy, x, rstd, weight, eps, dsummed):
+    dweight = weight.new_empty(weight.shape) if weight is not None else x.new_empty(_EMPTY)
+    return x.new_empty(x.shape), dweight
+
+
+def _rms_norm_setup(ctx, inputs, output) -> None:
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.eps = eps
+
+
+def _rms_norm_backward(ctx, dy: torch.Tensor, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dweight = rms_norm_bwd(dy.contiguous(), x, rstd, weight, ctx.eps, None)
+    return dx, _none_if_absent(dweight, weight), None
+
+
+rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+
+
+def _add_rms_norm_setup(ctx, inputs, output) -> None:
+    _, _, weight, eps = inputs
+    _, summed, rstd = output
+    ctx.save_for_backward(summed, weight, rstd)
+    ctx.eps = eps
+    ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zero tensor read
+
+
+def _add_rms_norm_backward(ctx, dnormed, dsummed, _drstd):
+    summed, weight, rstd = ctx.saved_tensors
+    if dnormed is None:  # only `summed` was used: the add's gradient, nothing through the norm
+        return dsummed, dsummed, None, None
+    dx, dweight = rms_norm_bwd(
+        dnormed.contiguous(),
+        summed,
+        rstd,
+        weight,
+        ctx.eps,
+        dsummed.contiguous() if dsummed is not None else None,
+    )
+    return dx, dx, _none_if_absent(dweight, weight), None  # x and residual get the same gradient
+
+
+add_rms_norm_fwd.register_autograd(_add_rms_norm_backward, setup_context=_add_rms_norm_setup)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim (SPEC section 11), statistics in fp32,
+    the normalised value rounded to x's dtype before the gain (transformers' LlamaRMSNorm).
+
+    x: (..., N), fp32/fp16/bf16, N <= 65536; weight: (N,) or None. The result has x's shape and
+    dtype. Runs the custom op `lmsys::rms_norm_fwd` (differentiable in x and weight).
+    """
+    _check_inputs(x, weight, None, eps, RMS, formulas=(RMS,))
+    return rms_norm_fwd(x, weight, float(eps))[0]
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused residual add + RMS norm: (rms_norm(x + residual, weight, eps), x + residual), summed
+    in x's dtype, in one pass over the data. Runs the custom op `lmsys::add_rms_norm_fwd`."""
+    if residual is None:
+        raise TypeError("residual must be a torch.Tensor, got NoneType")
+    _check_inputs(x, weight, None, eps, RMS, residual, formulas=(RMS,))
+    normed, summed, _ = add_rms_norm_fwd(x, residual, weight, float(eps))
     return normed, summed

@@ -29,10 +29,11 @@ kernels/reference.py): the backward only scales the fp32 sums by g / sum(w). Thr
 the logits, as the unfused path, and at most C x V logits alive at once. A forward without
 gradients (evaluation) runs the first two kernels only and stores no logits.
 
-Launch geometry is fixed per dtype (`TILES`), not autotuned: the fp16/bf16 tiles are proven
-spill-free and launchable on sm_80 and sm_90 by `python -m kernels.inspect`; they are not tuned
-on a GPU. Layering as in the other kernel files: kernels -> `chunk_launches` (KernelLaunch
-records the inspector compiles) -> `linear_cross_entropy_forward` / `_backward` -> the custom op
+Launch geometry is fixed per dtype, not timed: one candidate per kernel (`CONFIGS`, pruned for the
+device by `kernels.runtime.prune_configs`), the fp16/bf16 tiles compiled spill-free and launchable
+on sm_80 and sm_90 by `python -m tools.inspect`; under the interpreter `INTERPRETER_TILES`.
+Layering as in the other kernel files: kernels -> `chunk_launches` (KernelLaunch records the
+inspector compiles) -> `linear_cross_entropy_forward` / `_backward` -> the custom op
 beside them (`lmsys::linear_cross_entropy_fwd`, its fake, `register_autograd`) ->
 `linear_cross_entropy`, which checks the inputs and calls the op: the one path for callers and
 tests alike. The torch definition (`linear_cross_entropy_reference`) and the chunked torch path
@@ -41,13 +42,14 @@ tests alike. The torch definition (`linear_cross_entropy_reference`) and the chu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import KernelLaunch, device_sm_count
+from kernels import runtime
 from kernels.reference import (  # noqa: F401  (the tests import the references from here too)
     LCE_LOGITS_BUDGET,
     check_linear_cross_entropy_inputs,
@@ -329,29 +331,25 @@ def _lce_bwd_dw_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-def _interpreter_active() -> bool:
-    """True when the kernels were built for the Triton interpreter (TRITON_INTERPRET=1 at import)."""
-    return not isinstance(_lce_fwd_kernel, triton.runtime.JITFunction)
-
-
-# Fixed tilings: {kernel name: constexpr blocks and launch options}. The fp16/bf16 GPU tiles put a
-# 128 x 128 fp32 accumulator on 8 warps (64 values per thread) with 3 pipeline stages; fp32 inputs
-# use IEEE dots on FMA units, where big tiles gain nothing. The interpreter pays a fixed cost per
-# program, so its tiles are large (few programs, each a big numpy op): 5-6x faster than 16-row
-# tiles at a training shape of 128 tokens x 512 words. Tests that need many blocks at small shapes
-# swap in smaller ones through INTERPRETER_TILES.
-TILES: dict[str, dict[str, dict[str, int]]] = {
-    "gpu16": {
-        "lce_fwd": {"BLOCK_M": 128, "BLOCK_V": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
-        "lce_lse": {"BLOCK_V": 2048, "num_warps": 8},
-        "lce_bwd_dh": {"BLOCK_M": 128, "BLOCK_D": 128, "BLOCK_V": 64, "num_warps": 8, "num_stages": 3},
-        "lce_bwd_dw": {"BLOCK_V": 128, "BLOCK_D": 128, "BLOCK_M": 64, "num_warps": 8, "num_stages": 3},
+# The candidate tilings of each kernel, by input width (16-bit: fp16 / bf16): {kernel name: [constexpr
+# blocks and launch options]}, one each: a fixed geometry, launched as it is, not timed. The 16-bit
+# GPU tiles put a 128 x 128 fp32 accumulator on 8 warps (64 values per thread) with 3 pipeline
+# stages; fp32 inputs use IEEE dots on FMA units, where big tiles gain nothing. The interpreter
+# pays a fixed cost per program, so its tiles are large (few programs, each a big numpy op): 5-6x
+# faster than 16-row tiles at a training shape of 128 tokens x 512 words. Tests that need many
+# blocks at small shapes swap in smaller ones through INTERPRETER_TILES.
+CONFIGS: dict[str, dict[str, list[dict[str, int]]]] = {
+    "16-bit": {
+        "lce_fwd": [{"BLOCK_M": 128, "BLOCK_V": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}],
+        "lce_lse": [{"BLOCK_V": 2048, "num_warps": 8}],
+        "lce_bwd_dh": [{"BLOCK_M": 128, "BLOCK_D": 128, "BLOCK_V": 64, "num_warps": 8, "num_stages": 3}],
+        "lce_bwd_dw": [{"BLOCK_V": 128, "BLOCK_D": 128, "BLOCK_M": 64, "num_warps": 8, "num_stages": 3}],
     },
-    "gpu32": {
-        "lce_fwd": {"BLOCK_M": 64, "BLOCK_V": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2},
-        "lce_lse": {"BLOCK_V": 2048, "num_warps": 8},
-        "lce_bwd_dh": {"BLOCK_M": 64, "BLOCK_D": 64, "BLOCK_V": 32, "num_warps": 4, "num_stages": 2},
-        "lce_bwd_dw": {"BLOCK_V": 64, "BLOCK_D": 64, "BLOCK_M": 32, "num_warps": 4, "num_stages": 2},
+    "fp32": {
+        "lce_fwd": [{"BLOCK_M": 64, "BLOCK_V": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}],
+        "lce_lse": [{"BLOCK_V": 2048, "num_warps": 8}],
+        "lce_bwd_dh": [{"BLOCK_M": 64, "BLOCK_D": 64, "BLOCK_V": 32, "num_warps": 4, "num_stages": 2}],
+        "lce_bwd_dw": [{"BLOCK_V": 64, "BLOCK_D": 64, "BLOCK_M": 32, "num_warps": 4, "num_stages": 2}],
     },
 }
 INTERPRETER_TILES: dict[str, dict[str, int]] = {
@@ -363,11 +361,37 @@ INTERPRETER_TILES: dict[str, dict[str, int]] = {
 _MAX_BLOCK_P = 1024  # partials combined per step by _lce_lse_kernel
 
 
-def tiles(dtype: torch.dtype) -> dict[str, dict[str, int]]:
-    """The tiling of every kernel for inputs of `dtype` (the interpreter's under TRITON_INTERPRET)."""
-    if _interpreter_active():
+def _shared_bytes(name: str, dtype: torch.dtype) -> Callable[[triton.Config], int]:
+    """Shared memory a tiling of kernel `name` needs, estimated from the tiles its loop streams
+    (`num_stages` copies of each; G is fp32), or for the row kernel its reductions' scratch (two
+    fp32 values per warp): an upper bound of what the compiler allocates."""
+    if name == "lce_lse":
+        return lambda c: 2 * 4 * c.num_warps
+    elem = torch.empty((), dtype=dtype).element_size()
+    streamed = {  # bytes of one loop step's tiles
+        "lce_fwd": lambda b: (b["BLOCK_M"] + b["BLOCK_V"]) * b["BLOCK_K"] * elem,
+        "lce_bwd_dh": lambda b: b["BLOCK_M"] * b["BLOCK_V"] * 4 + b["BLOCK_V"] * b["BLOCK_D"] * elem,
+        "lce_bwd_dw": lambda b: b["BLOCK_V"] * b["BLOCK_M"] * 4 + b["BLOCK_M"] * b["BLOCK_D"] * elem,
+    }[name]
+    return lambda c: c.num_stages * streamed(c.kwargs)
+
+
+def tiles(dtype: torch.dtype, device: runtime.DeviceLimits | None = None) -> dict[str, dict[str, int]]:
+    """The tiling of every kernel for inputs of `dtype`: the interpreter's under the interpreter,
+    else the first candidate that fits `device` (`runtime.prune_configs`; None: the first)."""
+    if runtime.interpreting():
         return {name: dict(t) for name, t in INTERPRETER_TILES.items()}
-    return {name: dict(t) for name, t in TILES["gpu32" if dtype == torch.float32 else "gpu16"].items()}
+    chosen = {}
+    for name, candidates in CONFIGS["fp32" if dtype == torch.float32 else "16-bit"].items():
+        configs = [runtime.config(t) for t in candidates]
+        if device is not None:
+            configs = runtime.prune_configs(configs, device, _shared_bytes(name, dtype))
+        chosen[name] = {
+            **configs[0].kwargs,
+            "num_warps": configs[0].num_warps,
+            "num_stages": configs[0].num_stages,
+        }
+    return chosen
 
 
 def default_chunk(n: int, v: int, block_m: int = 128) -> int:
@@ -399,20 +423,22 @@ class ChunkBuffers:
     dh_part: torch.Tensor | None  # (SPLIT, C, D) fp32 slices of G W
     dh_split: int
     v_per_split: int
+    tiles: dict[str, dict[str, int]]  # the kernels' tiling, which the buffers' shapes follow
 
 
 def chunk_buffers(
     c: int, d: int, v: int, dtype: torch.dtype, device: torch.device | str, needs_dh: bool, grads: bool,
-    sm_count: int | None,
+    gpu: runtime.DeviceLimits | None,
 ) -> ChunkBuffers:  # fmt: skip
-    """Scratch for chunks of `c` rows (`grads`: any gradient wanted; `needs_dh`: dh among them)."""
-    t = tiles(dtype)
+    """Scratch for chunks of `c` rows (`grads`: any gradient wanted; `needs_dh`: dh among them)
+    on `gpu` (None: the interpreter)."""
+    t = tiles(dtype, gpu)
     n_blocks = triton.cdiv(v, t["lce_fwd"]["BLOCK_V"])
     align = lambda x: triton.cdiv(x, _ROW_ALIGN) * _ROW_ALIGN
     logits = None
     if grads:
         logits = torch.empty((c, align(v)), dtype=torch.float32, device=device)[:, :v]
-    split, per_split = _dh_split(c, d, v, t["lce_bwd_dh"], sm_count)
+    split, per_split = _dh_split(c, d, v, t["lce_bwd_dh"], gpu.sm_count if gpu is not None else None)
     dh_part = torch.empty((split, c, d), dtype=torch.float32, device=device) if needs_dh else None
     return ChunkBuffers(
         logits=logits,
@@ -422,6 +448,7 @@ def chunk_buffers(
         dh_part=dh_part,
         dh_split=split,
         v_per_split=per_split,
+        tiles=t,
     )
 
 
@@ -436,19 +463,18 @@ def chunk_launches(
     dw: torch.Tensor | None,  # (V, D) fp32 in/out: G^T h so far (None: not wanted)
     db: torch.Tensor | None,  # (V,) fp32 in/out: 1^T G so far (None: not wanted)
     needs_dh: bool,  # G W into buffers.dh_part
-) -> list[KernelLaunch]:
+) -> list[runtime.KernelLaunch]:
     """The launches of one chunk, in order: logits and partials, lse and G, then G W and G^T h
     (those two only when gradients are wanted). The rows beyond the chunk's are masked."""
     c, d = h.shape
     v = weight.shape[0]
-    t = tiles(h.dtype)
     grads = buffers.logits is not None
     precision = "ieee" if h.dtype == torch.float32 else "tf32"
     logits = buffers.logits if grads else buffers.m_part  # any fp32 pointer when not stored
-    fwd, lse, dh_t, dw_t = (t[name] for name in KERNEL_NAMES)
+    fwd, lse, dh_t, dw_t = (buffers.tiles[name] for name in KERNEL_NAMES)
     n_blocks = buffers.m_part.shape[1]
     launches = [
-        KernelLaunch(
+        runtime.KernelLaunch(
             name="lce_fwd",
             kernel=_lce_fwd_kernel,
             grid=(triton.cdiv(c, fwd["BLOCK_M"]), n_blocks),
@@ -469,9 +495,10 @@ def chunk_launches(
                 v,
                 d,
             ),
-            kwargs={"HAS_BIAS": bias is not None, "STORE_LOGITS": grads, "DOT_PRECISION": precision, **fwd},
+            kwargs={"HAS_BIAS": bias is not None, "STORE_LOGITS": grads, "DOT_PRECISION": precision},
+            configs=[runtime.config(fwd)],
         ),
-        KernelLaunch(
+        runtime.KernelLaunch(
             name="lce_lse",
             kernel=_lce_lse_kernel,
             grid=(c,),
@@ -492,14 +519,14 @@ def chunk_launches(
                 "HAS_WEIGHTS": weights is not None,
                 "WRITE_GRAD": grads,
                 "BLOCK_P": min(_MAX_BLOCK_P, triton.next_power_of_2(n_blocks)),
-                **lse,
             },
+            configs=[runtime.config(lse)],
         ),
     ]
     if grads and needs_dh:
         part = buffers.dh_part
         launches.append(
-            KernelLaunch(
+            runtime.KernelLaunch(
                 name="lce_bwd_dh",
                 kernel=_lce_bwd_dh_kernel,
                 grid=(triton.cdiv(c, dh_t["BLOCK_M"]), triton.cdiv(d, dh_t["BLOCK_D"]), buffers.dh_split),
@@ -516,12 +543,13 @@ def chunk_launches(
                     d,
                     buffers.v_per_split,
                 ),
-                kwargs={"DOT_PRECISION": precision, **dh_t},
+                kwargs={"DOT_PRECISION": precision},
+                configs=[runtime.config(dh_t)],
             )
         )
     if grads and dw is not None:
         launches.append(
-            KernelLaunch(
+            runtime.KernelLaunch(
                 name="lce_bwd_dw",
                 kernel=_lce_bwd_dw_kernel,
                 grid=(triton.cdiv(v, dw_t["BLOCK_V"]), triton.cdiv(d, dw_t["BLOCK_D"])),
@@ -537,7 +565,8 @@ def chunk_launches(
                     v,
                     d,
                 ),
-                kwargs={"HAS_BIAS": db is not None, "DOT_PRECISION": precision, **dw_t},
+                kwargs={"HAS_BIAS": db is not None, "DOT_PRECISION": precision},
+                configs=[runtime.config(dw_t)],
             )
         )
     return launches
@@ -557,7 +586,7 @@ def _check(
     chunk: int | None,
 ) -> None:
     check_linear_cross_entropy_inputs(h, weight, targets, weights, bias, chunk, SUPPORTED_DTYPES)
-    if h.device.type != "cuda" and not _interpreter_active():
+    if h.device.type != "cuda" and not runtime.interpreting():
         raise ValueError(
             f"linear_cross_entropy: Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 for the CPU "
             f"interpreter (set before triton is imported); got tensors on {h.device}"
@@ -597,14 +626,14 @@ def linear_cross_entropy_forward(
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     bias = bias.contiguous() if bias is not None else None
     targets = targets.contiguous()
-    t = tiles(h.dtype)
-    c = chunk or default_chunk(n, v, t["lce_fwd"]["BLOCK_M"])
+    gpu = runtime.device_limits(device)
+    c = chunk or default_chunk(n, v, tiles(h.dtype, gpu)["lce_fwd"]["BLOCK_M"])
     dh = torch.empty((n, d), dtype=torch.float32, device=device) if need_h else None  # G W
     dw = torch.zeros((v, d), dtype=torch.float32, device=device) if (need_w or need_b) else None  # G^T h
     db = torch.zeros((v,), dtype=torch.float32, device=device) if need_b else None  # 1^T G
     per_token = torch.zeros((n,), dtype=torch.float32, device=device)  # w (lse - z[t])
     if n > 0:
-        buffers = chunk_buffers(min(c, n), d, v, h.dtype, device, need_h, grads, device_sm_count(device))
+        buffers = chunk_buffers(min(c, n), d, v, h.dtype, device, need_h, grads, gpu)
         for start in range(0, n, c):
             end = min(n, start + c)
             launches = chunk_launches(

@@ -80,6 +80,49 @@ def attention_reference(
 
 
 # ---------------------------------------------------------------------------------------------
+# Packed documents: several documents in one row, each attending only to itself
+# ---------------------------------------------------------------------------------------------
+#
+# `documents` (B, T) names each token's document: integers, non-decreasing along a row, so each
+# document is a contiguous run of tokens. Query i may see key j only when both are of the same
+# document (and j <= i when causal): a packed row then computes what each of its documents
+# computes alone. Every query sees at least its own key, so no softmax row is empty. A kernel
+# that knows the documents' boundaries may skip every tile of the (T, T) matrix outside them.
+
+
+def document_mask(
+    documents: torch.Tensor,  # (B, T) integer document ids, non-decreasing along each row
+    causal: bool = True,
+) -> torch.Tensor:  # (B, 1, T, T) bool: True where query i may see key j
+    """The visibility of packed documents: same document, and key j <= query i when causal.
+    The head dimension is 1, to broadcast over the heads."""
+    same = documents[:, :, None] == documents[:, None, :]  # (B, T, T)
+    if causal:
+        t = documents.shape[1]
+        same = same & torch.ones(t, t, dtype=torch.bool, device=documents.device).tril()
+    return same[:, None]
+
+
+def document_attention_reference(
+    q: torch.Tensor,  # (B, H, T, d_qk)
+    k: torch.Tensor,  # (B, H, T, d_qk)
+    v: torch.Tensor,  # (B, H, T, d_vo)
+    documents: torch.Tensor,  # (B, T) integer document ids, non-decreasing along each row
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:  # (B, H, T, d_vo)
+    """softmax(scale * q k^T + M) v with M = -inf wherever `document_mask` hides a key, in fp32
+    matmuls (float64 stays float64), materialising the (T, T) matrix; returned in the input dtype.
+    With every token in one document it is attention_reference. scale=None: 1/sqrt(d_qk)."""
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    s = (q.to(compute) @ k.to(compute).transpose(-2, -1)) * sm_scale  # (B, H, T, T)
+    s = s.masked_fill(~document_mask(documents, causal), float("-inf"))
+    p = torch.softmax(s, dim=-1)  # (B, H, T, T)
+    return (p @ v.to(compute)).to(q.dtype)  # (B, H, T, d_vo)
+
+
+# ---------------------------------------------------------------------------------------------
 # The Llama family's pieces (SPEC section 11): RMS norm, rotary positions, grouped-query
 # attention's shared key/value heads
 # ---------------------------------------------------------------------------------------------
@@ -116,6 +159,20 @@ def rotary_reference(
     if cos.dim() == 3:  # one table per batch row: broadcast over the heads
         cos, sin = cos[:, None], sin[:, None]
     return x * cos + rotate_half(x) * sin
+
+
+# The activations of the gated feed-forward's fused kernel (kernels/gated.py): SwiGLU, GeGLU.
+GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+_GATED_PHI = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def gated_reference(
+    gate: torch.Tensor,  # (..., N) W_gate x
+    up: torch.Tensor,  # (..., N) W_up x
+    activation: str = "silu",
+) -> torch.Tensor:  # (..., N)
+    """phi(gate) * up, the gated feed-forward's hidden layer, in the inputs' dtype."""
+    return _GATED_PHI[activation](gate) * up
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:  # (B, Hkv, T, d) -> (B, Hkv * n_rep, T, d)

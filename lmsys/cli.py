@@ -124,7 +124,7 @@ def format_help(prog: str, options: list[Option], summary: str, positional: str 
 # ----------------------------------------------------------------------------- shared options
 
 # The options several commands share: the device and dtype (lmsys.core.runtime resolves them),
-# torch.compile (lmsys.model.compiling), a checkpoint's tokenizer (lmsys.interop.exports).
+# torch.compile (lmsys.model.compiling), a checkpoint's tokenizer (lmsys.interop.export_dir).
 DEVICE_OPTION = Option("device", "str", "auto", "auto, cpu, cuda or cuda:N")
 DTYPE_OPTION = Option("dtype", "choice", "fp32", "compute dtype", DTYPE_NAMES)
 COMPILE_OPTION = Option(

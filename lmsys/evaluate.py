@@ -41,7 +41,7 @@ from lmsys.core.runtime import resolve_device, resolve_dtype
 from lmsys.engine.checkpoint import list_checkpoints, resolve
 from lmsys.inference.evaluation import EvalError, EvalResult, evaluate_source, pick_source
 from lmsys.inference.lengths import choose_window
-from lmsys.interop.exports import load_model
+from lmsys.interop.export_dir import load_model
 from lmsys.model.compiling import compiled_for_cli
 from lmsys.model.ops import prepare_kernels
 from lmsys.training.plots import plot_run
@@ -152,7 +152,7 @@ def _evaluate_run(opts: dict, device: torch.device, dtype: torch.dtype) -> None:
 def _evaluate_harness(opts: dict) -> None:
     """harness=: lm_eval's tasks on model= (module docstring)."""
     try:  # lm_eval is the optional `eval` extra: imported only when harness= asks for it
-        from lmsys.inference import harness
+        from lmsys.inference import lm_eval_model
     except ModuleNotFoundError as exc:
         if not (exc.name or "").startswith("lm_eval"):
             raise
@@ -167,11 +167,11 @@ def _evaluate_harness(opts: dict) -> None:
     settings = {"batch_size": opts["batch_size"], "max_length": opts["seq_len"], "device": opts["device"]}
     settings.update(dtype=opts["dtype"], tokenizer=opts["tokenizer"], kernels=opts["kernels"])
     model_args = {key: value for key, value in settings.items() if value is not None}
-    results = harness.run_tasks(
+    results = lm_eval_model.run_tasks(
         opts["model"], tasks, opts["include_path"], opts["num_fewshot"], opts["limit"], model_args
     )
     print(f"{PROG}: {opts['model']} on lm_eval tasks {', '.join(tasks)}")
-    print(harness.results_table(results))
+    print(lm_eval_model.results_table(results))
     if opts["json"]:
         Path(opts["json"]).write_text(json.dumps(results, indent=1, default=str) + "\n")
 

@@ -15,7 +15,7 @@ there, so the command can be re-run after more training). The weights are consol
 DeepSpeed's own functions (lmsys.engine.zero.consolidated_state_dict), loading never runs code from
 a pickle.
 
-The format, and how it is written and loaded: lmsys/interop/exports.py.
+The format, and how it is written and loaded: lmsys/interop/export_dir.py.
 
 format=hf writes the transformers architecture of the model's function: GPT2LMHeadModel, or for
 the Llama family LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or MistralForCausalLM (an
@@ -36,7 +36,7 @@ from lmsys.core.errors import UsageError
 from lmsys.core.rundir import EXPORT_DIR
 from lmsys.core.runtime import DTYPES, resolve_dtype
 from lmsys.engine.checkpoint import resolve
-from lmsys.interop.exports import FORMATS, export_checkpoint, is_export_dir
+from lmsys.interop.export_dir import FORMATS, export_checkpoint, is_export_dir
 
 PROG = "lmsys-export"
 

@@ -3,6 +3,7 @@
     python -m lmsys.generate runs/tiny-x/export prompt="The module"           # streams to the terminal
     python -m lmsys.generate model=runs/tiny-x prompt="def " prompt="import " greedy=true
     python -m lmsys.generate model=exports/tiny prompts=prompts.txt temperature=0.8 top_p=0.95 seed=1
+    python -m lmsys.generate exports/tiny chat=true prompt="What does the json module do?" greedy=true
 
 `model=` (or the first argument) is an export directory (lmsys-export) or a training checkpoint
 (run dir, checkpoints/ dir or tag dir). A prompt starts a document: it is preceded by eos, as
@@ -11,6 +12,12 @@ also gets its bos_shift_id at position 0, as in its training loss. Decoding: gre
 temperature=0), else sampling from softmax(logits / temperature) restricted to the top_k most
 likely tokens and then to the smallest set whose probability reaches top_p. Generation stops
 at eos or after max_new_tokens.
+
+chat=true treats each prompt as a user's message: it is rendered with the model's chat template
+(the one its data was prepared with, kept with its tokenizer; lmsys's default, ChatML, for a
+tokenizer without one: lmsys/data/chat.py), `system=` adding a system message before it, and
+the generation prompt after it; the reply stops at the template's end-of-turn token (or eos) and
+is printed alone.
 
 compile=auto|true|false (auto: on CUDA) compiles the model with torch.compile and decodes through
 a StaticKVCache, whose shapes never change: a prompt graph and a decode graph, none per token; a
@@ -23,12 +30,14 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from lmsys.cli import MODEL_LOADING_OPTIONS, Option, parse_options, run_cli
 from lmsys.core.console import warn as cli_warn
 from lmsys.core.errors import UsageError
 from lmsys.core.runtime import resolve_device, resolve_dtype
+from lmsys.data.chat import ChatTemplate
 from lmsys.inference.generation import (
     LONG_PROMPT,
     GenerationError,
@@ -40,7 +49,7 @@ from lmsys.inference.generation import (
     prompt_ids,
 )
 from lmsys.inference.lengths import choose_window
-from lmsys.interop.exports import load_model
+from lmsys.interop.export_dir import load_model
 from lmsys.model.compiling import compiled_for_cli
 from lmsys.model.ops import prepare_kernels
 
@@ -84,6 +93,8 @@ OPTIONS = [
     Option("prompt", "str", None, "prompt text", repeat=True),
     Option("prompts", "str", None, "file with one prompt per line"),
     Option("start_of_document", "bool", True, "precede each prompt by eos, as documents were in training"),
+    Option("chat", "bool", False, "a prompt is a user's message: the chat template, the reply alone"),
+    Option("system", "str", None, "chat: a system message before each prompt"),
     Option("max_new_tokens", "int", 100, "new tokens per prompt at most"),
     Option("greedy", "bool", False, "always take the most likely token"),
     Option("temperature", "float", 1.0, "softmax temperature (0 = greedy)"),
@@ -143,7 +154,7 @@ def _print_result(i: int, prompt: str, completion: str, n_tokens: int, opts: dic
 
 
 def _generate_and_print(
-    model, tok, texts, planned, sampling: Sampling, use_cache: bool, static: bool, opts
+    model, tok, texts, planned, sampling: Sampling, use_cache: bool, static: bool, opts, stop_ids
 ) -> None:
     """One streamed prompt, or padded batches of batch_size prompts printed as each finishes."""
     if len(texts) == 1 and opts["stream"] and opts["output"] == "text":
@@ -152,7 +163,7 @@ def _generate_and_print(
             sys.stdout.write(texts[0])
             sys.stdout.flush()
         generate_one(
-            model, ids, n_new, sampling, tok.eos_id, opts["seed"], use_cache, stream, static_cache=static
+            model, ids, n_new, sampling, stop_ids, opts["seed"], use_cache, stream, static_cache=static
         )
         stream.finish()
         sys.stdout.write("\n")
@@ -164,13 +175,26 @@ def _generate_and_print(
             [ids for ids, _ in chunk],
             [n for _, n in chunk],
             sampling,
-            tok.eos_id,
+            stop_ids,
             opts["seed"],
             use_cache,
             static_cache=static,
         )
         for i, new in enumerate(news, start):
             _print_result(i, texts[i], tok.decode(new), len(new), opts)
+
+
+def _prompt_encoder(tok, opts: dict) -> tuple[Callable[[str], list[int]], tuple[int, ...]]:
+    """(prompt text -> ids, the tokens that end a reply): the chat template's rendering of a user
+    message and its end of turn with chat=true, else the text (after eos: start_of_document) and eos."""
+    if not opts["chat"]:
+        if opts["system"] is not None:
+            raise UsageError("system= is a chat message: give chat=true with it")
+        return (lambda text: prompt_ids(tok, text, opts["start_of_document"])), (tok.eos_id,)
+    template = ChatTemplate(tok)
+    system = [{"role": "system", "content": opts["system"]}] if opts["system"] else []
+    stop_ids = (*template.end_of_turn, tok.eos_id)
+    return (lambda text: template.prompt([*system, {"role": "user", "content": text}])), stop_ids
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,16 +231,20 @@ def main(argv: list[str] | None = None) -> int:
         window = choose_window(opts["seq_len"], model.cfg, meta, warn)
         if not 1 <= window <= model.cfg.max_seq_len:
             raise UsageError(f"seq_len={window} must be in [1, {model.cfg.max_seq_len}] (model.max_seq_len)")
+        encode, stop_ids = _prompt_encoder(tok, opts)
+        if opts["chat"]:
+            opts["echo"] = False  # the reply alone: the prompt is a message, not the reply's beginning
         # Every prompt is checked before anything is generated: a bad one fails the whole call.
         planned = []
         for i, text in enumerate(texts):
             label = "the prompt" if len(texts) == 1 else f"prompt {i + 1}"
-            ids = prompt_ids(tok, text, opts["start_of_document"])
             new = opts["max_new_tokens"]
-            planned.append(fit_prompt(ids, model.cfg, new, opts["on_long_prompt"], warn, label, window))
+            planned.append(
+                fit_prompt(encode(text), model.cfg, new, opts["on_long_prompt"], warn, label, window)
+            )
         with compiled_for_cli(opts["compile"], device, PROG, "generation", warn) as compile_model:
             static = compile_model(model)  # a compiled model decodes through a StaticKVCache
-            _generate_and_print(model, tok, texts, planned, sampling, use_cache, static, opts)
+            _generate_and_print(model, tok, texts, planned, sampling, use_cache, static, opts, stop_ids)
         return 0
 
     return run_cli(PROG, body)

@@ -15,14 +15,14 @@ lmsys` needs this module imported first (as `python -m lmsys.harness`, `lmsys-ev
 A mistake lm_eval finds in its arguments (an unknown task or model) is one line
 `lmsys-harness: error: lm_eval: ...`, as is a bad `--model_args` for the lmsys model.
 
-What the model serves and how: lmsys/inference/harness.py.
+What the model serves and how: lmsys/inference/lm_eval_model.py.
 """
 
 from __future__ import annotations
 
 import sys
 
-import lmsys.inference.harness  # noqa: F401  # registers lm_eval's model `lmsys`
+import lmsys.inference.lm_eval_model  # noqa: F401  # registers lm_eval's model `lmsys`
 from lmsys.cli import run_cli
 from lmsys.core.console import one_line
 from lmsys.core.errors import LmsysError, UsageError

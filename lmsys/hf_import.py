@@ -36,7 +36,7 @@ import sys
 from lmsys.cli import Option, parse_options, run_cli
 from lmsys.core.errors import UsageError
 from lmsys.core.runtime import DTYPES, resolve_dtype
-from lmsys.interop.exports import import_checkpoint
+from lmsys.interop.export_dir import import_checkpoint
 
 PROG = "lmsys-import"
 

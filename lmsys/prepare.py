@@ -3,6 +3,7 @@
     python -m lmsys.prepare                                  # default corpus, default model
     python -m lmsys.prepare data.sources=[corpus/] data.dir=data/mine model=gpt2_124m model.vocab_size=8192
     python -m lmsys.prepare data.sources=[corpus/] data.tokenizer=hf/gpt2 model=gpt2_124m
+    python -m lmsys.prepare data.format=chat data.sources=[chat.jsonl] data.tokenizer=exports/qwen3 preview=3
 
 Settings (Hydra overrides `key=value`; conf/data/default.yaml, lmsys/core/config.py DataConfig):
   data.sources=[a.txt,dir/,'x/*.jsonl.gz']  inputs (empty: the default corpus)
@@ -24,6 +25,21 @@ Settings (Hydra overrides `key=value`; conf/data/default.yaml, lmsys/core/config
   data.overwrite=false                      true: replace a data.dir prepared from other sources or
                                             settings (never replaced otherwise)
 
+Conversations (docs/data.md, "Chat data"; lmsys/data/chat.py):
+  data.format=chat                          data.sources are JSON Lines of conversations
+                                            ({"messages": [...]} or {"prompt": ..., "completion": ...}),
+                                            rendered with the tokenizer's chat template (data.tokenizer
+                                            is required), loss on the assistant's turns only
+  data.seq_len=N                            the rows conversations are packed into
+  data.packing=true                         false: one conversation per row, padded
+  data.overlong=truncate                    a conversation longer than data.seq_len: truncate | drop
+  data.chat_template=FILE                   a Jinja template instead of the tokenizer's own (without
+                                            one: ChatML, docs/data.md)
+  preview=N                                 show the first N conversations as they are trained (the
+                                            trained text marked) and stop: nothing is written
+  preview_json=FILE                         with preview: also write them to FILE, a JSON list of
+                                            {"ids": [...], "weights": [...]}
+
 The steps, the split rule and how nothing half-written is left: lmsys/data/preparation.py.
 
 Errors (bad config, bad data) print one line `lmsys-prepare: error: ...` on stderr and exit 2:
@@ -39,7 +55,12 @@ import sys
 
 from lmsys.cli import flag_as_override, run_cli
 from lmsys.core.config import compose, config_keys
-from lmsys.data.preparation import PROG, prepare
+from lmsys.core.errors import UsageError
+from lmsys.data.chat_preparation import chat_template, preview
+from lmsys.data.preparation import PROG, chat_sources, prepare
+from lmsys.data.tokenizer import Tokenizer
+
+PREVIEW_OPTIONS = ("preview", "preview_json")  # this command's own, beside the config overrides
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,10 +73,30 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if any(a.startswith("-") for a in argv):  # `--vocab_size 512`: name the key=value it means
             flag_as_override(PROG, argv, config_keys(), set())
-        prepare(compose(argv))
+        own = {k: v for k, _, v in (a.partition("=") for a in argv) if k in PREVIEW_OPTIONS}
+        overrides = [a for a in argv if a.partition("=")[0] not in PREVIEW_OPTIONS]
+        if own:
+            return show_preview(compose(overrides), own)
+        prepare(compose(overrides))
         return 0
 
     return run_cli(PROG, body, interrupted="interrupted; nothing was written")
+
+
+def show_preview(cfg, own: dict[str, str]) -> int:
+    """preview=N [preview_json=FILE]: the first N conversations of data.sources as trained."""
+    count = own.get("preview", "")
+    if not count.isdigit() or int(count) < 1:
+        raise UsageError(f"preview={count} must be a number of conversations >= 1 (e.g. preview=3)")
+    if cfg.data.format != "chat":
+        raise UsageError(
+            f"preview shows conversations: set data.format=chat (data.format is {cfg.data.format})"
+        )
+    if not cfg.data.tokenizer:
+        raise UsageError("preview needs data.tokenizer=<the tokenizer of the model to fine-tune>")
+    template = chat_template(Tokenizer(cfg.data.tokenizer), cfg.data.chat_template)
+    preview(chat_sources(cfg.data), template, int(count), own.get("preview_json"))
+    return 0
 
 
 if __name__ == "__main__":

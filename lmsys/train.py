@@ -19,6 +19,7 @@ import re
 import sys
 import time
 import traceback
+from typing import NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -111,6 +112,29 @@ def die_with_launcher() -> None:
         return
     if os.getppid() != parent:  # the launcher died before the request took effect
         os._exit(1)
+
+
+def end_worker(status: int) -> NoReturn:
+    """End a torchrun worker of a multi-rank job without the interpreter's finalization.
+
+    The DeepSpeed engine stays referenced by torch's hook registries and holds the process groups,
+    so gloo's threads outlive destroy_process_group; one that needs the GIL while the interpreter
+    finalizes aborts the process ("terminate called without an active exception", SIGABRT) after
+    a run that finished and saved. CI saw exactly that after a complete 2-rank run. Everything the
+    run owns is closed by then (checkpoints, W&B, the run record); the exit handlers still run
+    (a sweep's summary), the streams are flushed, then the process ends with its status."""
+    import atexit
+    import logging
+
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _is_distributed_worker() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 # How gloo and NCCL word a collective whose peer process is gone
@@ -212,6 +236,18 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     # Run the copy imported as `lmsys.train`, not `__main__`: launchers that pickle the task
     # (hydra/launcher=slurm, submitit) must find its classes by an importable name on the worker.
+    from lmsys.train import _is_distributed_worker, end_worker
     from lmsys.train import main as _main
 
-    sys.exit(_main())
+    if not _is_distributed_worker():
+        sys.exit(_main())
+    try:
+        exit_status = _main()
+    except SystemExit as exc:  # Hydra's own exits (a config error in a sweep job)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+        exit_status = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except BaseException:  # kept: the traceback, then the same safe end
+        traceback.print_exc()
+        exit_status = 1
+    end_worker(exit_status)

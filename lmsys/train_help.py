@@ -13,7 +13,7 @@ KEY_HELP = [
     ("trainer.run_dir", "the run's directory (null: runs/<model.name>-<time>)"),
     ("trainer.resume", "auto | never | a checkpoint or run directory to continue from"),
     ("trainer.eval_interval", "steps between validations"),
-    ("trainer.eval_batches", "validation micro-batches per rank (0: the whole validation split)"),
+    ("trainer.eval_batches", "validation sequences: N x micro_batch_size, any world size (0: all)"),
     ("trainer.save_interval", "steps between checkpoints"),
     ("trainer.keep_last", "checkpoints kept"),
     ("trainer.async_save", "save in the background (false: the loop waits for the whole save)"),

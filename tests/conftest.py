@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
+from kernels import runtime
 from tests import background
 from tests.sharing import xdist_worker
 
@@ -16,7 +17,7 @@ EXPORT_TESTS = "tests/export"  # as node ids name it (relative to the repository
 # The units that take longest under `make test` (3 workers), longest first (seconds of wall time
 # per unit, 2026-11-27, docs/performance.md): they start first, so no long unit is left to run alone
 # at the end. Units not named follow, the largest (in tests) first, and last the units whose tests
-# wait for a background job (tests/kernels/test_inspect.py's kernels.inspect subset, about 5
+# wait for a background job (tests/tools/test_inspect.py's tools.inspect subset, about 5
 # CPU-minutes), which by then has had the session's idle cores.
 SLOWEST_SCOPES = (
     EXPORT_TESTS,  # 762
@@ -38,8 +39,8 @@ SLOWEST_SCOPES = (
 
 # Without a GPU, Triton kernels run on CPU tensors through the interpreter. It must be chosen
 # before `triton` is first imported, which is why it lives here and not in a fixture.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+if not torch.cuda.is_available() and not runtime.interpreter_requested():
+    runtime.request_interpreter()
 
 # Keep CPU tests reproducible and fast on small machines.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -114,3 +114,90 @@ def save_family_directory(directory: Path, model, tokenizer, max_shard_size: str
     settings = {"eos_token": EOS, "pad_token": EOS, "model_max_length": model.config.max_position_embeddings}
     (directory / "tokenizer_config.json").write_text(json.dumps(settings))
     return directory
+
+
+# ----------------------------------------------------------------------------- chat templates
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+HEADER_START, HEADER_END, END_OF_TURN, BEGIN = (
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|begin|>",
+)
+CHAT_SPECIALS = [EOS, IM_START, IM_END, HEADER_START, HEADER_END, END_OF_TURN, BEGIN]
+
+
+def _assistant(turn: str, generation: bool) -> str:
+    """An assistant turn's Jinja (what it writes after its header, through its end of turn),
+    inside a {% generation %} block when asked (transformers' assistant-token mask then marks it)."""
+    return f"{{% generation %}}{turn}{{% endgeneration %}}" if generation else turn
+
+
+def chatml_template(generation: bool = False) -> str:
+    """ChatML, with a default system prompt when the conversation has none (as Qwen2.5's does)."""
+    return (
+        "{%- if messages[0]['role'] != 'system' %}"
+        "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+        "{%- for message in messages %}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+        "{%- if message['role'] == 'assistant' %}"
+        + _assistant("{{- message['content'] + '<|im_end|>' }}", generation)
+        + "{{- '\\n' }}{%- else %}{{- message['content'] + '<|im_end|>\\n' }}{%- endif %}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+
+
+def thinking_template(generation: bool = False) -> str:
+    """ChatML whose last assistant turn opens with an empty think block (as Qwen3's does when its
+    messages carry no reasoning): the assistant writes it, after the generation prompt."""
+    return (
+        "{%- for message in messages %}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+        "{%- if message['role'] == 'assistant' %}"
+        + _assistant(
+            "{%- if loop.last %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+            "{{- message['content'] + '<|im_end|>' }}",
+            generation,
+        )
+        + "{{- '\\n' }}{%- else %}{{- message['content'] + '<|im_end|>\\n' }}{%- endif %}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+
+
+def header_template(generation: bool = False) -> str:
+    """Llama 3's layout: bos, a header per turn, the content trimmed, an end-of-turn token."""
+    return (
+        "{{- bos_token }}{%- for message in messages %}"
+        "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+        "{%- if message['role'] == 'assistant' %}"
+        + _assistant("{{- message['content'] | trim + '<|eot_id|>' }}", generation)
+        + "{%- else %}{{- message['content'] | trim + '<|eot_id|>' }}{%- endif %}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}"
+        "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+    )
+
+
+CHAT_TEMPLATES = {"chatml": chatml_template, "thinking": thinking_template, "header": header_template}
+
+
+def train_chat_tokenizer(texts: list[str], vocab_size: int):
+    """A byte-level BPE (train_byte_level_bpe's layout) with the chat templates' control tokens
+    added as special tokens after `<|endoftext|>`."""
+    tokenizer = train_byte_level_bpe(texts, vocab_size)
+    tokenizer.add_special_tokens(CHAT_SPECIALS[1:])
+    return tokenizer
+
+
+def save_chat_tokenizer(directory: Path, tokenizer, template: str | None, eos: str = IM_END) -> Path:
+    """tokenizer.json and a tokenizer_config.json naming its special tokens and `template`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    settings = {"eos_token": eos, "pad_token": EOS, "bos_token": BEGIN}
+    if template is not None:
+        settings["chat_template"] = template
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
+    return directory

@@ -1,16 +1,19 @@
 """The architecture's rules, checked on the source (docs/DESIGN.md, "Rooms"):
 
-- no import cycle among the modules of lmsys/, kernels/ and launch/ (imports inside functions
-  count: a lazy import still couples two modules);
+- no import cycle among the modules of lmsys/, kernels/, launch/ and tools/ (imports inside
+  functions count: a lazy import still couples two modules);
 - no module of lmsys/ over 700 lines, no function outside kernels/ over 100 lines;
 - every command's `main` reports errors through `lmsys.cli.run_cli` (one exit path, one
   error vocabulary), and no module defines its own error base class outside lmsys/core/errors.py;
-- an import inside a function of lmsys/ or launch/ says why it is late (a comment before it in
-  that function);
+- an import inside a function of lmsys/, launch/ or tools/ says why it is late (a comment before
+  it in that function);
 - the code and docs cite nothing outside the repository (the docs they cite are in docs/);
 - layers point one way (LAYERS, bottom to top): a module imports only modules of its own layer
-  or of the layers below, so library code never imports a command or the command-line kit, and
-  the runtime kernels never import lmsys or the kernel tools;
+  or of the layers below, so library code never imports a command or the command-line kit, the
+  runtime kernels never import lmsys, and no runtime module (lmsys/, kernels/, launch/) imports
+  the tools;
+- Triton's interpreter switch (the TRITON_INTERPRET variable, triton.knobs' interpreter flag) is
+  read and set in kernels/runtime.py alone;
 - no package directory holds more than 15 modules;
 - one owner of the run directory (lmsys/core/rundir.py): no other module of lmsys/ or launch/ spells
   a run file's name or a metrics.jsonl record's field.
@@ -25,13 +28,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("lmsys", "kernels", "launch")
+PACKAGES = ("lmsys", "kernels", "launch", "tools")
+RUNTIME_PACKAGES = ("lmsys", "kernels", "launch")
 MAX_MODULE_LINES = 700
 MAX_FUNCTION_LINES = 100
 MAX_PACKAGE_MODULES = 15
 
 # Bottom to top. A module belongs to the layer of its longest matching prefix; the commands (every
-# module with a `main`, the command-line kit, the launchers and the tools) are the top layer.
+# module with a `main`, the command-line kit, the launchers) are the layer below the tools.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("kernels", "lmsys.core")),
     ("model and data", ("lmsys.model", "lmsys.data")),
@@ -41,11 +45,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "training, inference, interop, sweeps",
         ("lmsys.training", "lmsys.inference", "lmsys.interop", "lmsys.sweep"),
     ),
-    (
-        "commands",
-        ("lmsys", "launch", "lmsys.bench", "lmsys.sweep.__main__", "kernels.bench", "kernels.inspect"),
-    ),
+    ("commands", ("lmsys", "launch", "lmsys.sweep.__main__")),
+    ("tools", ("tools",)),
 ]
+COMMANDS_LAYER = [name for name, _ in LAYERS].index("commands")
 
 
 def _modules() -> dict[str, Path]:
@@ -244,8 +247,9 @@ def test_layers_point_one_way():
 
 
 def test_the_layer_rule_sees_an_upward_import():
-    assert layer_of("lmsys.model.ops") < layer_of("lmsys.cli")
-    assert layer_of("kernels.flash_attention") < layer_of("kernels.bench")
+    assert layer_of("lmsys.model.ops") < layer_of("lmsys.cli") < layer_of("tools.bench.train")
+    assert layer_of("kernels.flash_attention") < layer_of("tools.inspect.inspector")
+    assert layer_of("launch.torchrun") < layer_of("tools.bench")
     assert layer_of("lmsys.sweep.summary") < layer_of("lmsys.sweep.__main__")
     assert layer_of("lmsys.core.config") < layer_of("lmsys.engine.zero") < layer_of("lmsys.training.trainer")
     assert (
@@ -273,16 +277,66 @@ def test_training_imports_only_the_planners_check():
     )
 
 
-def test_every_command_is_in_the_top_layer():
-    top = len(LAYERS) - 1
+def test_every_command_is_in_a_command_layer():
+    """Modules with a `main`: the commands, or the tools above them."""
     misplaced = [
-        name for name, tree in TREES.items() if any(_defines(tree, "main")) and layer_of(name) != top
+        name
+        for name, tree in TREES.items()
+        if any(_defines(tree, "main")) and layer_of(name) < COMMANDS_LAYER
     ]
     assert misplaced == []
 
 
+def test_no_runtime_module_imports_the_tools():
+    """lmsys/, kernels/ and launch/ run without tools/: the tools sit above every layer."""
+    assert [name for name, _ in LAYERS][-1] == "tools"
+    leaks = [
+        f"{name} imports {target}"
+        for name, tree in TREES.items()
+        if name.startswith(RUNTIME_PACKAGES)
+        for target in _imported(name, tree)
+        if target.startswith("tools")
+    ]
+    assert leaks == []
+
+
+INTERPRETER_OWNER = "kernels.runtime"
+
+
+def _interpreter_switch_uses(tree: ast.Module) -> list[int]:
+    """Lines that name Triton's interpreter switch: the variable's name as a string of its own (an
+    environment key; messages that mention `TRITON_INTERPRET=1` are not reads) or an attribute
+    `interpret` (triton.knobs.runtime.interpret)."""
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if (isinstance(node, ast.Constant) and node.value == "TRITON_INTERPRET")
+        or (isinstance(node, ast.Attribute) and node.attr == "interpret")
+    ]
+
+
+def test_the_interpreter_switch_is_read_in_one_place():
+    assert _interpreter_switch_uses(TREES[INTERPRETER_OWNER])  # the owner does read it
+    others = {
+        name: lines
+        for name, tree in TREES.items()
+        if name != INTERPRETER_OWNER and (lines := _interpreter_switch_uses(tree))
+    }
+    assert others == {}
+
+
+def test_the_switch_finder_sees_both_ways_of_reading_it():
+    code = [
+        "import os, triton",
+        'os.environ.get("TRITON_INTERPRET")',
+        "triton.knobs.runtime.interpret",
+        'print("set TRITON_INTERPRET=1")',
+    ]
+    assert sorted(_interpreter_switch_uses(ast.parse("\n".join(code)))) == [2, 3]
+
+
 def test_runtime_kernels_stand_alone():
-    """kernels/ runs without lmsys: its runtime modules import neither lmsys nor the kernel tools."""
+    """kernels/ runs without lmsys: its modules import only each other."""
     leaks = [
         f"{name} imports {target}"
         for name, tree in TREES.items()
@@ -342,9 +396,9 @@ SHARED_WORDS = {
     "tokens_per_s": "lmsys-plan's prediction, the sweep summary's columns",
     "step_time_s": "lmsys-plan's prediction",
 }
-# The benchmarks (lmsys/bench) read the raw lines of metrics.jsonl (read_metrics) field by field,
-# and clean a run's checkpoints by name: outside these two checks.
-BENCHMARKS = ("lmsys.bench",)
+# The tools (tools/bench's benchmarks) read the raw lines of metrics.jsonl (read_metrics) field by
+# field, and clean a run's checkpoints by name: outside these two checks, as the kernels are.
+BENCHMARKS = ("tools",)
 
 
 def _docstrings(tree: ast.Module) -> set[int]:

@@ -5,7 +5,7 @@ as written").
 Extraction is real: the README's ```bash blocks and the inline `python -m ...` / `lmsys-...`
 commands of its journeys, and the example lines of every command's --help (the commands are
 found in the source tree: lmsys/*.py and launch/*.py with a main, the packages with a
-__main__.py, lmsys.bench's benchmarks). A command added to the README or to a --help is tested
+__main__.py, tools.bench's benchmarks). A command added to the README or to a --help is tested
 without touching this file.
 
 How each command runs, in the scratch directory (the cwd, so runs/, exports/ and data/ land
@@ -68,10 +68,13 @@ NOT_RUN = {
     ),
     "sbatch --nodes=4 --gpus-per-node=8 launch/slurm.sbatch model=gpt2_1558m deepspeed=zero3 trainer=gpt2 "
     "optim=gpt2": "4 nodes x 8 GPUs; tests/launch/test_slurm.py submits the script to a one-machine cluster",
-    "python -m lmsys.bench ": "benchmarks, minutes each; tests/train/test_bench.py, "
-    "tests/data/test_bench_prepare.py and tests/export/ run them small",
-    "python -m kernels.bench ": "GPU benchmarks; tests/kernels/test_bench.py",
-    "python -m kernels.inspect": "compiles every kernel (minutes); tests/kernels/test_inspect.py",
+    "python -m tools.bench": "the kernel table, then the training loop: minutes; tests/tools/ runs each",
+    "python -m tools.bench ": "benchmarks, minutes each (the kernels' on a GPU); tests/tools/ runs them",
+    "python -m tools.inspect": "compiles every kernel (minutes); tests/tools/test_inspect.py",
+    "python -m tools.inspect ": "compiles kernels (minutes); tests/tools/test_inspect.py runs a subset",
+    "python -m lmsys.prepare data.format=chat ": "needs a model's tokenizer and a file of conversations; "
+    "tests/data/test_chat.py previews and prepares them, tests/llama/test_sft.py runs docs/huggingface.md's "
+    "fine-tuning journey",
 }
 
 # Modules the README names that another branch is adding: printed, and run once they exist.
@@ -98,7 +101,7 @@ CHECK_ONLY = {
 # Commands whose --help this test does not ask: lm-evaluation-harness's own parser (its examples are
 # lm-eval's), and the benchmarks and kernel tools, whose examples are all in NOT_RUN (a torch import
 # each, for nothing to run).
-HELP_NOT_ASKED = ("lmsys.harness", "lmsys.bench", "kernels.bench", "kernels.inspect")
+HELP_NOT_ASKED = ("lmsys.harness", "tools.bench", "tools.inspect")
 
 # Stages: a command runs after those of the stages before it (what it reads is written there).
 STAGES = {
@@ -146,11 +149,11 @@ def command_modules() -> list[list[str]]:
             source = path.read_text(encoding="utf-8")
             if "def main(" in source and '__name__ == "__main__"' in source:
                 found.append([f"{package}.{path.stem}"])
-    for main in sorted([*REPO_ROOT.glob("lmsys/*/__main__.py"), *REPO_ROOT.glob("kernels/*/__main__.py")]):
+    for main in sorted([*REPO_ROOT.glob("lmsys/*/__main__.py"), *REPO_ROOT.glob("tools/*/__main__.py")]):
         found.append([".".join(main.parent.relative_to(REPO_ROOT).parts)])
-    from lmsys.bench.__main__ import COMMANDS
+    from tools.bench.__main__ import COMMANDS
 
-    found += [["lmsys.bench", name] for name in COMMANDS]
+    found += [["tools.bench", name] for name in COMMANDS]
     return [m for m in found if m[0] not in HELP_NOT_ASKED]
 
 

@@ -62,6 +62,7 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repository's conf
 ROOT_CONFIG = CONF_DIR / "config.yaml"  # its root config: the schema, the groups' defaults, Hydra's settings
 
 OPTIMIZERS = ("adamw", "muon")
+DATA_FORMATS = ("text", "chat")
 SCHEDULES = ("cosine", "wsd")
 
 
@@ -93,6 +94,15 @@ class DataConfig:
     shard_tokens: int = 50_000_000
     seq_len: int = "${model.max_seq_len}"  # type: ignore[assignment]
     mask_doc_boundaries: bool = False  # zero loss weight on predictions across an eos boundary
+    # Each packed document its own sequence: attention within it, positions from its first token,
+    # no loss across two (docs/data.md, "Packed documents")
+    document_masking: bool = False
+    # lmsys-prepare: text (documents) | chat (JSON Lines of conversations, rendered with the
+    # tokenizer's chat template, loss on the assistant's turns: docs/data.md, "Chat data")
+    format: str = "text"
+    packing: bool = True  # chat: several conversations per row of data.seq_len (false: one, padded)
+    overlong: str = "truncate"  # chat: a conversation longer than a row (seq_len + 1): truncate | drop
+    chat_template: str | None = None  # chat: a Jinja template file instead of the tokenizer's own
     seed: int = 1234
     overwrite: bool = False  # lmsys-prepare: re-prepare even when data.dir already matches the sources
 
@@ -162,7 +172,7 @@ class TrainerConfig:
     global_batch_tokens: int = 65536  # tokens per optimizer step across all ranks
     micro_batch_size: int = 8  # sequences per rank per forward
     eval_interval: int = 200
-    eval_batches: int = 0  # validation micro-batches per rank; 0: the whole validation split
+    eval_batches: int = 0  # N: the first N x micro_batch_size validation sequences; 0: the whole split
     save_interval: int = 500  # also saved at the end, and after the step under way on SIGTERM/SIGUSR1/Ctrl-C
     keep_last: int = 3  # complete, intact checkpoints kept (damaged ones are moved to checkpoints/damaged/)
     # save in the background: the loop stalls only to copy the state to host memory; a checkpoint
@@ -251,21 +261,20 @@ def _specs(key: str, specs: list[str], pattern: re.Pattern[str], form: str) -> N
         require(pattern.fullmatch(str(spec)) is not None, f"{key}: {spec!r} is not {form}")
 
 
-def validate(cfg: Config) -> Config:
-    validate_model(cfg.model)
-    d, t, o, ds, lg = cfg.data, cfg.trainer, cfg.optim, cfg.deepspeed, cfg.logger
-    require(
-        d.vocab_size == cfg.model.vocab_size, f"data.vocab_size={d.vocab_size} must equal model.vocab_size"
-    )
+def validate_data(d: DataConfig, model: ModelConfig) -> None:
+    """The data group's values (ConfigError naming the first bad one)."""
+    require(d.vocab_size == model.vocab_size, f"data.vocab_size={d.vocab_size} must equal model.vocab_size")
     require(d.seq_len >= 1, f"data.seq_len={d.seq_len} must be >= 1")
-    if cfg.model.positions.kind != "none":
+    if model.positions.kind != "none":
         require(
-            d.seq_len <= cfg.model.max_seq_len,
+            d.seq_len <= model.max_seq_len,
             f"data.seq_len={d.seq_len} is longer than the model's positions "
-            f"(model.max_seq_len={cfg.model.max_seq_len})",
+            f"(model.max_seq_len={model.max_seq_len})",
         )
     require(0.0 < d.val_fraction < 1.0, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
     one_of("data.on_decode_error", d.on_decode_error, ("error", "skip"))
+    one_of("data.format", d.format, DATA_FORMATS)
+    one_of("data.overlong", d.overlong, ("truncate", "drop"))
     require(
         text_encoding(d.encoding) is not None,
         f"data.encoding={d.encoding!r} is not a text encoding Python knows; e.g. utf-8, latin-1, cp1252",
@@ -277,6 +286,12 @@ def validate(cfg: Config) -> Config:
     )
     require(bool(d.text_field), "data.text_field must not be empty")
     require(bool(d.dir), "data.dir must not be empty")
+
+
+def validate(cfg: Config) -> Config:
+    validate_model(cfg.model)
+    validate_data(cfg.data, cfg.model)
+    t, o, ds, lg = cfg.trainer, cfg.optim, cfg.deepspeed, cfg.logger
     require(o.lr > 0, f"optim.lr={o.lr} must be > 0")
     one_of("optim.name", o.name, OPTIMIZERS)
     one_of("optim.schedule", o.schedule, SCHEDULES)
@@ -331,7 +346,10 @@ def validate(cfg: Config) -> Config:
         "job), or 0 (off)",
     )
     one_of("debug.hang_how", cfg.debug.hang_how, ("sleep", "stop"))
-    kernel_names = ("", "attention", "layer_norm", "add_layer_norm", "linear_cross_entropy")
+    kernel_names = (
+        "", "attention", "layer_norm", "add_layer_norm", "rms_norm", "add_rms_norm", "rotary", "gated",
+        "linear_cross_entropy",
+    )  # fmt: skip
     one_of("debug.break_kernel", cfg.debug.break_kernel, kernel_names)
     require(
         compile_choice(t.compile) in COMPILE_CHOICES,

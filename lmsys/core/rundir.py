@@ -159,7 +159,7 @@ class TrainRecord(Record):
     mfu: float | None  # fraction of the devices' peak; None on CPU (no known peak)
     step_time_s: float  # this step alone
     # wall time since this launch's first step began, logging of earlier steps included:
-    # differences give the loop's true per-step cost (lmsys.bench train)
+    # differences give the loop's true per-step cost (tools.bench train)
     elapsed_s: float
     memory_gb: float  # peak memory of this process so far (lmsys.training.peak_memory.memory_gb)
     tokens: int  # tokens trained on so far, this step included

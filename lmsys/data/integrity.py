@@ -162,3 +162,54 @@ def _check_sample(path: Path, tokens: int, blocks: int, dtype: np.dtype, vocab_s
             ids = np.frombuffer(fh.read(length * dtype.itemsize), dtype=dtype)  # (length,)
             if error := _bad_id(path, ids, start, vocab_size, redo):
                 raise error
+
+
+def check_side_files(
+    directory: Path, manifest: dict[str, Any], redo: str, full_check_bytes: int | None = None
+) -> None:
+    """FORMAT_VERSION 2's loss weights and document starts (lmsys.data.shards): always each file
+    present with its recorded size; when they hold at most `full_check_bytes` in all, also their
+    sha256, every weight 0 or 1, and the starts increasing from 0 within their split."""
+    full_check_bytes = FULL_CHECK_BYTES if full_check_bytes is None else full_check_bytes
+    files = []  # (path, size in bytes, recorded sha256, check of the values)
+    for shard in manifest["shards"]:
+        n = int(shard["tokens"])
+        files.append((directory / shard["weights_file"], n, shard.get("weights_sha256"), _weights_ok))
+    for split in manifest["splits"].values():
+        count, tokens = int(split["document_starts"]), int(split["tokens"])
+        files.append((directory / split["documents_file"], 8 * count, split.get("documents_sha256"),
+                      lambda data, tokens=tokens: _starts_ok(data, tokens)))  # fmt: skip
+    for path, size, _, _ in files:
+        if not path.is_file():
+            raise DataError(f"{path}, listed in manifest.json, is missing; {redo}")
+        if path.stat().st_size != size:
+            raise DataError(
+                f"corrupt {path}: {path.stat().st_size} bytes, but manifest.json says {size}; {redo}"
+            )
+    if sum(size for _, size, _, _ in files) > full_check_bytes:
+        return
+    for path, _, recorded, values_ok in files:
+        data = path.read_bytes()
+        if recorded is not None and hashlib.sha256(data).hexdigest() != recorded:
+            raise DataError(
+                f"corrupt {path}: its sha256 differs from the one in manifest.json (its bytes changed "
+                f"after lmsys-prepare wrote it); {redo}"
+            )
+        if not values_ok(data):
+            raise DataError(f"corrupt {path}: values outside the format (lmsys.data.shards); {redo}")
+
+
+def _weights_ok(data: bytes) -> bool:
+    weights = np.frombuffer(data, dtype=np.uint8)
+    return not len(weights) or int(weights.max()) <= 1
+
+
+def _starts_ok(data: bytes, tokens: int) -> bool:
+    starts = np.frombuffer(data, dtype="<u8")
+    if not len(starts):
+        return tokens == 0
+    return (
+        int(starts[0]) == 0
+        and bool((np.diff(starts.astype(np.int64)) > 0).all())
+        and int(starts[-1]) < tokens
+    )

@@ -34,9 +34,17 @@ Validation. `val_batches(n)` always reads the held-out "val" split (a document g
 split only, see lmsys.prepare), the same sequences at every evaluation; `val_batches(0)` every
 sequence of it once.
 
-Loss weights (SPEC section 8) travel with each batch: ones, except, with
-`mask_doc_boundaries`, a zero for the prediction of the first token of a document from the
-previous document's eos.
+Loss weights (SPEC section 8) travel with each batch: the weights the data stores (a chat
+split: 1 on the assistant's tokens, 0 elsewhere, padding included), else ones; and with
+`mask_doc_boundaries`, a zero for the prediction of a document's first token from the previous
+document's last token (its eos).
+
+Documents. With `document_masking` each batch also carries its documents (`Batch.documents`,
+(B, S) non-decreasing ids): the starts a chat split stores, else counted from the eos that ends
+every document of a text split. A row's first token starts a document (the rest of a document
+cut by the row's start). The model then attends and numbers positions within each document and
+counts only the pairs inside one (lmsys.model.transformer). A chat split is stored in rows of its
+data.seq_len (lmsys.data.shards), which the loader must be given.
 """
 
 from __future__ import annotations
@@ -48,9 +56,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from lmsys.core.console import command, warn
 from lmsys.core.errors import DataError
 from lmsys.data.integrity import first_past_vocabulary, past_vocabulary
-from lmsys.data.shards import PreparedData, SplitTokens, prepare_again, too_short
+from lmsys.data.shards import PreparedData, SplitTokens, check_row_length, prepare_again, too_short
 
 __all__ = ["Batch", "TokenLoader"]
 
@@ -61,6 +70,16 @@ STATE_VERSION = 2  # 2: the split's tail is a last, partly weighted sample
 class Batch:
     tokens: torch.Tensor  # (B, S) int64 token ids
     weights: torch.Tensor  # (B, S) float32: weights[b, s] weighs the prediction of tokens[b, s]
+    documents: torch.Tensor | None = None  # (B, S) int64 document ids (document_masking), or None
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        """The batch on `device`."""
+        docs = self.documents
+        return Batch(
+            self.tokens.to(device, non_blocking=non_blocking),
+            self.weights.to(device, non_blocking=non_blocking),
+            None if docs is None else docs.to(device, non_blocking=non_blocking),
+        )
 
 
 # What each setting of a loader's saved state comes from, and how a resume gets it back.
@@ -94,6 +113,7 @@ class TokenLoader:
         world_size: int = 1,
         seed: int = 0,
         mask_doc_boundaries: bool = False,
+        document_masking: bool = False,
     ):
         if global_batch_size % (micro_batch_size * world_size):
             raise ValueError(
@@ -107,7 +127,14 @@ class TokenLoader:
         self.sample_len = tokens_per_sample
         self.global_batch, self.micro_batch = global_batch_size, micro_batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
-        self.mask_doc_boundaries = mask_doc_boundaries
+        self.mask_doc_boundaries, self.document_masking = mask_doc_boundaries, document_masking
+        check_row_length(data, tokens_per_sample)
+        if data.manifest.get("packing") and not document_masking and split == "train":
+            warn(
+                command(),
+                f"{data.dir} packs several conversations into a row and data.document_masking is false: "
+                "they attend to each other; data.document_masking=true makes each its own sequence",
+            )
         if len(self.tokens) < tokens_per_sample:
             raise too_short(data.dir, split, len(self.tokens), tokens_per_sample)
         # Tokens after the last whole sample; when > 0 they end the last, partly weighted sample.
@@ -203,12 +230,37 @@ class TokenLoader:
             starts, repeats = [int(i) * self.sample_len for i in indices], [0] * len(indices)
         rows = [source.read(start, self.sample_len) for start in starts]
         tokens = torch.from_numpy(np.stack(rows).astype(np.int64))  # (B, S)
-        weights = torch.ones(tokens.shape, dtype=torch.float32)  # (B, S)
+        stored = [source.read_weights(start, self.sample_len) for start in starts]
+        if stored and stored[0] is not None:
+            weights = torch.from_numpy(np.stack(stored).astype(np.float32))  # (B, S)
+        else:
+            weights = torch.ones(tokens.shape, dtype=torch.float32)  # (B, S)
         for row, repeated in enumerate(repeats):
             weights[row, :repeated] = 0.0  # counted in the sample before
+        documents = None
+        if self.mask_doc_boundaries or self.document_masking:
+            documents = self._documents(source, starts, tokens)  # (B, S)
         if self.mask_doc_boundaries:
-            weights[:, 1:][tokens[:, :-1] == self.data.eos_id] = 0.0
-        return Batch(tokens, weights)
+            weights[:, 1:][documents[:, 1:] != documents[:, :-1]] = 0.0
+        return Batch(tokens, weights, documents if self.document_masking else None)
+
+    def _documents(self, source: SplitTokens, starts: list[int], tokens: torch.Tensor) -> torch.Tensor:
+        """Each token's document (B, S), counted from 0 in every row: the starts the split stores,
+        else a new document after every eos."""
+        stored = [source.read_documents(start, self.sample_len) for start in starts]
+        if stored[0] is not None:
+            documents = torch.from_numpy(np.stack(stored))  # (B, S)
+            return documents - documents[:, :1]
+        documents = torch.zeros_like(tokens)  # (B, S)
+        documents[:, 1:] = (tokens[:, :-1] == self.data.eos_id).cumsum(dim=1)
+        return documents
+
+    def uniform_weights(self, step: int) -> bool:
+        """Whether every loss weight the model uses in optimizer step `step`'s global batch is 1,
+        so that their sum is known without reading them: no stored weights, no masked boundary,
+        no documents (a pair across two does not count) and no repeated tokens."""
+        plain = self.tokens.weights is None and not (self.mask_doc_boundaries or self.document_masking)
+        return plain and not self.step_has_repeats(step)
 
     def step_indices(self, step: int) -> np.ndarray:
         """Sample indices of the whole global batch of optimizer step `step` (every rank's)."""
@@ -251,27 +303,26 @@ class TokenLoader:
         return batch
 
     def val_batches(self, count: int) -> list[Batch]:
-        """`count` micro-batches of this rank from the held-out "val" split (whatever split this
-        loader trains on), from its start, in order: the same held-out sequences at every
-        evaluation, rank r taking every W-th micro-batch (cycling when the split is short).
-        count=0: the whole split once, every sequence exactly once; the last round's rows past the
-        split's end repeat its first sequences with loss weight 0 (every rank runs the same number
-        of forwards, which ZeRO-3's collectives need)."""
+        """This rank's micro-batches of the held-out "val" split (whatever split this loader trains
+        on), from its start, in order: the same held-out sequences at every evaluation, rank r
+        taking every W-th micro-batch. count=N: the split's first N x micro_batch_size sequences
+        (cycling when the split is shorter), the same sequences on any world size; count=0: the
+        whole split, every sequence exactly once. Rows past those sequences, which fill the last
+        round, repeat the split's first sequences with loss weight 0 (every rank runs the same
+        number of forwards, which ZeRO-3's collectives need)."""
         tokens = self._val_tokens()
         num = len(tokens) // self.sample_len
         if not self._val_checked:  # the whole split, once: every rank alike
             self.check_split(tokens)
             self._val_checked = True
+        scored = num if count == 0 else count * self.micro_batch  # sequences, all ranks together
         per_round = self.micro_batch * self.world_size
-        whole = count == 0
-        rounds = -(-num // per_round) if whole else count
         out = []
-        for b in range(rounds):
+        for b in range(-(-scored // per_round)):
             first = b * per_round + self.rank * self.micro_batch
             indices = np.arange(first, first + self.micro_batch)
             batch = self._batch(indices % num, tokens)
-            if whole:
-                batch.weights[indices >= num] = 0.0
+            batch.weights[indices >= scored] = 0.0
             out.append(batch)
         return out
 
@@ -279,9 +330,7 @@ class TokenLoader:
         """(distinct validation sequences that `val_batches(count)` scores on all ranks together,
         sequences in the split)."""
         num = len(self._val_tokens()) // self.sample_len
-        if count == 0:
-            return num, num
-        return min(num, count * self.micro_batch * self.world_size), num
+        return (num if count == 0 else min(num, count * self.micro_batch)), num
 
     def _val_tokens(self) -> SplitTokens:
         tokens = self.tokens if self.split_name == "val" else self.data.split("val")

@@ -12,6 +12,10 @@ in pieces of about 4 MB (lmsys.data.corpus), and tokens go straight to the shard
 does not grow with the corpus. The threads encode with the GIL released (SentencePiece and
 `tokenizers` batch calls) while this thread reads the next documents and writes the shards.
 
+data.format=chat reads JSON Lines of conversations instead, renders them with the tokenizer's chat
+template and packs them into weighted rows (lmsys/data/chat_preparation.py); the rest (the
+tokenizer's copy, the temporary directory, reuse and refusal) is shared.
+
 Output: the prepared-data format of lmsys/data/shards.py (the tokenizer, uint16/uint32 shards,
 manifest.json). lmsys-prepare's manifest also records the sources read (files with sizes, or the
 default corpus and the Python version), the data config, the creation time, the encoding
@@ -46,15 +50,18 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from lmsys.core.config import Config, config_to_dict
+from lmsys.core.config import Config, DataConfig, config_to_dict, tokens_per_sample
 from lmsys.core.console import warn
 from lmsys.core.errors import DataError
 from lmsys.core.files import install_dir, sibling
+from lmsys.data.chat import ChatTemplate
+from lmsys.data.chat_preparation import chat_template, template_sha256, write_conversations
 from lmsys.data.corpus import Corpus, FileCorpus, open_corpus
 from lmsys.data.shards import (
     FORMAT_VERSION,
     MANIFEST,
     SPLITS,
+    WEIGHTED_FORMAT_VERSION,
     ShardWriter,
     read_manifest,
     token_dtype,
@@ -95,10 +102,17 @@ def _say(message: str) -> None:
     print(f"{PROG}: {message}", flush=True)
 
 
-def _fingerprint(cfg: Config, corpus: Corpus, given: Tokenizer | None) -> dict[str, Any]:
+def _fingerprint(
+    cfg: Config, corpus: Corpus, given: Tokenizer | None, template: ChatTemplate | None = None
+) -> dict[str, Any]:
     d = cfg.data
+    chat = {}
+    if template is not None:  # absent for text, as in the data prepared before chat existed
+        chat = {"format": "chat", "seq_len": d.seq_len, "packing": d.packing, "overlong": d.overlong,
+                "chat_template_sha256": template_sha256(template)}  # fmt: skip
     return {
-        "version": FORMAT_VERSION,
+        **chat,
+        "version": WEIGHTED_FORMAT_VERSION if template is not None else FORMAT_VERSION,
         "sources": corpus.fingerprint(),
         "vocab_size": d.vocab_size,
         "tokenizer": {"sha256": given.sha256}
@@ -180,6 +194,61 @@ def _encode_into(
     return writers, info
 
 
+def chat_sources(d: DataConfig) -> FileCorpus:
+    """The files of data.sources, read as JSON Lines of conversations (data.format=chat): each file
+    named, and in a directory its .jsonl(.gz) files (data.suffixes' when given)."""
+    if not d.sources:
+        raise DataError("data.format=chat needs data.sources: JSON Lines files of conversations")
+    return FileCorpus.from_sources(d.sources, suffixes=d.suffixes or [".jsonl"])
+
+
+def _chat_into(
+    tok: Tokenizer, template: ChatTemplate, corpus: FileCorpus, cfg: Config, tmp: Path
+) -> tuple[dict[str, ShardWriter], dict[str, Any], dict[str, Any]]:
+    """The conversations into rows (lmsys.data.chat_preparation): (writers, the manifest's
+    `encoding` record, the layout of format version 2)."""
+    d = cfg.data
+    rows = tokens_per_sample(cfg.model, d.seq_len)  # the loader's samples: the model reads seq_len
+
+    def held_out(i: int) -> bool:
+        return bool(validation_mask(np.array([i]), d.seed, d.val_fraction)[0])
+
+    _say(
+        f"rendering conversations with {template.name} into rows of {rows} tokens (data.seq_len={d.seq_len})"
+    )
+    start = time.perf_counter()
+    writers, stats = write_conversations(tok, template, corpus, d, rows, tmp, held_out)
+    if stats.bad_count:
+        warn(PROG, f"chat: {stats.bad_summary()}")
+    layout = {"content": "chat", "row_tokens": rows, "seq_len": d.seq_len, "packing": d.packing}
+    info = {"seconds": round(time.perf_counter() - start, 3), "chat": stats.as_dict()}
+    return dict(writers), info, layout
+
+
+def _chat_summary(manifest: dict[str, Any], out: Path, seconds: float) -> None:
+    """The lines that say what lmsys-prepare made of the conversations."""
+    chat, s, rows = manifest["encoding"]["chat"], manifest["splits"], manifest["row_tokens"]
+    kept = chat["conversations"]
+    if chat["truncated"] or chat["dropped_overlong"]:
+        _say(
+            f"chat: longer than a row ({rows} tokens): {chat['truncated']} conversation(s) truncated, "
+            f"{chat['dropped_overlong']} dropped (data.overlong={manifest['config']['data']['overlong']}; "
+            "a truncated one left with no assistant token is dropped)"
+        )
+    for split in SPLITS:
+        if s[split]["rows"] == 0:
+            warn(PROG, f"the {split} split is empty ({sum(kept.values())} conversation(s) in all); "
+                       "lmsys-train needs rows in both: add conversations")  # fmt: skip
+    total = s["train"]["tokens"] + s["val"]["tokens"]
+    _say(
+        f"wrote {out}: {kept['train']:,} train and {kept['val']:,} val conversations in "
+        f"{s['train']['rows']:,} + {s['val']['rows']:,} rows of {rows} tokens "
+        f"({'packed' if manifest['packing'] else 'one per row'}, "
+        f"{100 * chat['padding_tokens'] / max(total, 1):.1f}% padding), {chat['trained_tokens']:,} trained "
+        f"tokens (the assistant's), {chat['bad_lines']} bad line(s), total {seconds:.1f} s"
+    )
+
+
 def _tokenizer_section(tok: Tokenizer, given: Tokenizer | None) -> dict[str, Any]:
     return {
         "kind": tok.kind,
@@ -193,7 +262,11 @@ def _tokenizer_section(tok: Tokenizer, given: Tokenizer | None) -> dict[str, Any
 
 
 def _provenance(
-    cfg: Config, corpus: Corpus, given: Tokenizer | None, encoding: dict[str, Any]
+    cfg: Config,
+    corpus: Corpus,
+    given: Tokenizer | None,
+    encoding: dict[str, Any],
+    template: ChatTemplate | None = None,
 ) -> dict[str, Any]:
     """What lmsys-prepare records beside the format's own fields: where the tokens came from."""
     return {
@@ -206,7 +279,7 @@ def _provenance(
             "data": config_to_dict(cfg)["data"],
             "model": {"name": cfg.model.name, "vocab_size": cfg.model.vocab_size},
         },
-        "fingerprint": _fingerprint(cfg, corpus, given),
+        "fingerprint": _fingerprint(cfg, corpus, given, template),
         "encoding": encoding,
     }
 
@@ -226,6 +299,11 @@ def _given_tokenizer(cfg: Config) -> Tokenizer | None:
     model.vocab_size); None when lmsys-prepare trains one."""
     d = cfg.data
     if not d.tokenizer:
+        if d.format == "chat":
+            raise DataError(
+                "data.format=chat needs data.tokenizer=<the tokenizer of the model to fine-tune> (a "
+                "directory holding its tokenizer.json or tokenizer.model, e.g. an lmsys-import export)"
+            )
         return None
     given = Tokenizer(Path(d.tokenizer).expanduser())
     if cfg.model.tokenizer_vocab_size is not None:
@@ -277,7 +355,9 @@ def _reusable(
     )
 
 
-_SETTINGS = {"seed": "data.seed", "val_fraction": "data.val_fraction", "shard_tokens": "data.shard_tokens"}
+_SETTINGS = {"seed": "data.seed", "val_fraction": "data.val_fraction", "shard_tokens": "data.shard_tokens",
+             "format": "data.format", "seq_len": "data.seq_len", "packing": "data.packing",
+             "overlong": "data.overlong", "chat_template_sha256": "chat template sha256"}  # fmt: skip
 
 
 def fingerprint_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -365,11 +445,21 @@ def prepare(cfg: Config) -> Path:
     """Prepare (or reuse) `cfg.data.dir`; returns its path. Raises DataError on bad input."""
     d = cfg.data
     out = Path(d.dir).expanduser().resolve()
-    corpus = open_corpus(d.sources, d.text_field, d.on_decode_error, d.encoding, d.suffixes)
+    corpus = (
+        chat_sources(d)
+        if d.format == "chat"
+        else open_corpus(d.sources, d.text_field, d.on_decode_error, d.encoding, d.suffixes)
+    )
     if isinstance(corpus, FileCorpus):
         _say(f"sources: {corpus.scan.summary()}")
     given = _given_tokenizer(cfg)
-    if not d.overwrite and _reusable(out, _fingerprint(cfg, corpus, given), given, d.tokenizer):
+    template = None
+    if d.format == "chat":
+        assert given is not None and isinstance(corpus, FileCorpus)
+        template = chat_template(given, d.chat_template)
+        given.chat_template = template.text  # kept with the prepared tokenizer (Tokenizer.copy_to)
+    fingerprint = _fingerprint(cfg, corpus, given, template)
+    if not d.overwrite and _reusable(out, fingerprint, given, d.tokenizer):
         return out
     _check_destination(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -378,15 +468,25 @@ def prepare(cfg: Config) -> Path:
     t0 = time.perf_counter()
     try:
         tok = _tokenizer_into(tmp, corpus, cfg, given)
-        writers, enc = _encode_into(tok, corpus, cfg, tmp)
+        if template is not None:
+            writers, enc, layout = _chat_into(tok, template, corpus, cfg, tmp)
+        else:
+            (writers, enc), layout = _encode_into(tok, corpus, cfg, tmp), None
         manifest = write_manifest(
-            tmp, writers, _tokenizer_section(tok, given), _provenance(cfg, corpus, given, enc)
+            tmp,
+            writers,
+            _tokenizer_section(tok, given),
+            _provenance(cfg, corpus, given, enc, template),
+            layout,
         )
         read_manifest(tmp)  # what the loader will check, before it replaces anything
         install_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if template is not None:
+        _chat_summary(manifest, out, time.perf_counter() - t0)
+        return out
     st, s = corpus.stats, manifest["splits"]
     mb = st.text_bytes / 1e6
     skipped = ""

@@ -69,6 +69,7 @@ HF_TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_FILES = (SENTENCEPIECE_FILE, HF_TOKENIZER_FILE)  # in the order a directory is searched
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"  # transformers' settings beside a tokenizer.json
 HF_SPECIAL_TOKENS_MAP = "special_tokens_map.json"  # older transformers' file of special tokens
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # a chat template beside the tokenizer (transformers' name)
 SPECIAL_NAMES = ("pad", "bos", "eos", "unk")
 GPT2_EOS = "<|endoftext|>"
 
@@ -119,6 +120,12 @@ class Tokenizer:
         self.split_special_tokens: bool = self._backend.split_special_tokens
         self.dtype = token_dtype(self.vocab_size)
         self.training_info: dict[str, Any] | None = None  # set by train_tokenizer
+        # The Jinja chat template transformers would use (chat_template.jinja beside the file, else
+        # tokenizer_config.json's chat_template), None without one; lmsys.data.chat renders it.
+        self.chat_template: str | None = _chat_template(self.path.parent, self.kind)
+        # Special tokens a rendered chat writes as text and the encoding reads as one id each:
+        # a tokenizer.json's special added tokens; SentencePiece's bos and eos.
+        self.control_tokens: dict[str, int] = self._backend.control_tokens(self.special_tokens)
 
     def __repr__(self) -> str:
         return (
@@ -132,11 +139,30 @@ class Tokenizer:
     def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
         return self._backend.encode_batch(list(texts), num_threads)
 
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of `ids`; pad/bos/eos decode to nothing, an invalid byte sequence to U+FFFD."""
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+        """Text of `ids`; pad/bos/eos (the control tokens) decode to nothing, or with
+        skip_special=False to their text; an invalid byte sequence to U+FFFD."""
         if hasattr(ids, "tolist"):  # a tensor or an array
             ids = ids.tolist()
-        return self._backend.decode([int(i) for i in ids])
+        ids = [int(i) for i in ids]
+        if skip_special or not ids:
+            return self._backend.decode(ids)
+        control = {i: token for token, i in self.control_tokens.items()}
+        parts, run = [], []  # decoded runs between control tokens, and the tokens' text
+        for i in ids:
+            if i in control:
+                parts += [self._backend.decode(run), control[i]]
+                run = []
+            else:
+                run.append(i)
+        return "".join(parts) + self._backend.decode(run)
+
+    def encode_chat(self, text: str) -> tuple[list[int], list[int]]:
+        """(ids, the character offset in `text` where each id starts) of a rendered chat, whose
+        control tokens (`<|im_end|>`, `</s>`, ...) are read as their ids: a tokenizer.json
+        encodes it as transformers' apply_chat_template does (added tokens matched, no special
+        tokens added); SentencePiece encodes the text between its bos and eos strings."""
+        return self._backend.encode_offsets(text, self.control_tokens)
 
     def id_to_piece(self, i: int) -> str:
         return self._backend.id_to_piece(int(i))
@@ -169,6 +195,8 @@ class Tokenizer:
         shutil.copyfile(self.path, target)
         if self.kind == "hf":
             write_tokenizer_config(directory, self, model_max_length)
+        elif self.chat_template is not None:
+            atomic_write_text(directory / CHAT_TEMPLATE_FILE, self.chat_template)
         return target
 
 
@@ -186,6 +214,8 @@ def write_tokenizer_config(directory: Path, tok: Tokenizer, model_max_length: in
     }
     if model_max_length is not None:
         config["model_max_length"] = model_max_length
+    if tok.chat_template is not None:
+        config["chat_template"] = tok.chat_template
     atomic_write_text(
         directory / HF_TOKENIZER_CONFIG, json.dumps(config, indent=2, ensure_ascii=False) + "\n"
     )
@@ -234,6 +264,30 @@ class _SentencePiece:
 
     def id_to_piece(self, i: int) -> str:
         return self._sp.id_to_piece(i)
+
+    def control_tokens(self, special_tokens: dict[str, str]) -> dict[str, int]:
+        return {special_tokens[name]: self.token_id(special_tokens[name]) for name in ("bos", "eos")}
+
+    def encode_offsets(self, text: str, control: dict[str, int]) -> tuple[list[int], list[int]]:
+        """The pieces between control tokens, each with its first character's offset (the proto's
+        byte offsets turned into characters)."""
+        ids: list[int] = []
+        starts: list[int] = []
+        pattern = "|".join(re.escape(token) for token in sorted(control, key=len, reverse=True))
+        at = 0
+        for match in [*re.finditer(pattern, text), None]:
+            end = match.start() if match else len(text)
+            if end > at:
+                piece = text[at:end]
+                char_of_byte = np.cumsum([0] + [len(c.encode("utf-8")) for c in piece])  # (chars + 1,)
+                for p in self._sp.encode(piece, return_type="proto").pieces:
+                    ids.append(int(p.id))
+                    starts.append(at + int(np.searchsorted(char_of_byte, p.begin, side="right")) - 1)
+            if match:
+                ids.append(control[match.group()])
+                starts.append(match.start())
+                at = match.end()
+        return ids, starts
 
 
 class _TokenizerJson:
@@ -289,6 +343,13 @@ class _TokenizerJson:
     def id_to_piece(self, i: int) -> str:
         return self._tk.id_to_token(i) or ""
 
+    def control_tokens(self, special_tokens: dict[str, str]) -> dict[str, int]:
+        return {t.content: int(i) for i, t in self._tk.get_added_tokens_decoder().items() if t.special}
+
+    def encode_offsets(self, text: str, control: dict[str, int]) -> tuple[list[int], list[int]]:
+        encoding = self._tk.encode(text, add_special_tokens=False)
+        return list(encoding.ids), [start for start, _ in encoding.offsets]
+
 
 def _transformers_settings(directory: Path) -> dict[str, Any]:
     """tokenizer_config.json over special_tokens_map.json, as transformers merges them ({} if neither)."""
@@ -305,6 +366,20 @@ def _transformers_settings(directory: Path) -> dict[str, Any]:
             raise DataError(f"{path} is not a JSON object")
         settings.update(data)
     return settings
+
+
+def _chat_template(directory: Path, kind: str) -> str | None:
+    """The chat template saved beside a tokenizer: chat_template.jinja (transformers' own file,
+    which it prefers), else a tokenizer.json's tokenizer_config.json `chat_template` (a string, or
+    a list of named templates: the one named "default")."""
+    path = directory / CHAT_TEMPLATE_FILE
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    template = _transformers_settings(directory).get("chat_template") if kind == "hf" else None
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) and template else None
 
 
 def _token_text(value: Any) -> str | None:
@@ -328,7 +403,7 @@ class EncoderPool:
     Threads, not processes: SentencePiece (and `tokenizers`, for a tokenizer.json) encodes a
     batch with the GIL released, so the threads
     encode in parallel while the calling thread reads the corpus and writes shards, and nothing
-    is pickled or copied between processes (lmsys.bench prepare on 2 cores: 1.76x single-process
+    is pickled or copied between processes (tools.bench prepare on 2 cores: 1.76x single-process
     SentencePiece, where the process pool this replaced reached 1.66x). `encode` keeps at most
     `in_flight` batches (default 3 per thread) queued or being encoded, so memory stays bounded
     whatever the number of batches, and yields results in input order. With one worker it

@@ -19,16 +19,17 @@ from typing import Any
 
 from lmsys.core.errors import CheckpointError, DataError
 from lmsys.core.files import install_dir, sha256_file, sibling
-from lmsys.data.tokenizer import HF_TOKENIZER_CONFIG, TOKENIZER_FILES
+from lmsys.data.tokenizer import CHAT_TEMPLATE_FILE, HF_TOKENIZER_CONFIG, TOKENIZER_FILES
 
 TOKENIZER_DIR = "tokenizer"
 
 
 def keep_tokenizer(run_dir: Path, tokenizer_file: Path, sha256: str) -> Path:
     """`<run_dir>/tokenizer/`, holding a copy of `tokenizer_file` (and, beside a tokenizer.json, the
-    tokenizer_config.json naming its special tokens) whose sha256 must be `sha256`: the tokenizer
-    the data was opened with. Kept as it is when it already holds that tokenizer; else written
-    next to it and renamed into place. DataError when the file changed since the data was opened."""
+    tokenizer_config.json naming its special tokens; a chat_template.jinja beside it) whose sha256
+    must be `sha256`: the tokenizer the data was opened with. Kept as it is when it already holds
+    that tokenizer; else written next to it and renamed into place. DataError when the file
+    changed since the data was opened."""
     target = run_dir / TOKENIZER_DIR
     if (target / tokenizer_file.name).is_file() and sha256_file(target / tokenizer_file.name) == sha256:
         return target
@@ -39,6 +40,9 @@ def keep_tokenizer(run_dir: Path, tokenizer_file: Path, sha256: str) -> Path:
         config = tokenizer_file.with_name(HF_TOKENIZER_CONFIG)
         if tokenizer_file.suffix == ".json" and config.is_file():
             shutil.copyfile(config, tmp / HF_TOKENIZER_CONFIG)
+        template = tokenizer_file.with_name(CHAT_TEMPLATE_FILE)
+        if template.is_file():  # the chat template the data was rendered with
+            shutil.copyfile(template, tmp / CHAT_TEMPLATE_FILE)
         copied = sha256_file(tmp / tokenizer_file.name)
         if copied != sha256:
             raise DataError(

@@ -144,7 +144,8 @@ def close_distributed() -> None:
 
 
 class LossModule(nn.Module):
-    """What the engine runs: (tokens (B, S), weights (B, S)) -> the model's scalar loss.
+    """What the engine runs: (tokens (B, S), weights (B, S), documents (B, S) or None) -> the
+    model's scalar loss (documents: the packed rows' document ids, data.document_masking).
 
     The model stays the single-device Transformer; its parameters live under `model.` here.
     """
@@ -153,8 +154,13 @@ class LossModule(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, tokens: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model.loss(tokens, weights)
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        weights: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.model.loss(tokens, weights, documents)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> int:
@@ -167,10 +173,10 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
     for block in blocks:
         inner = block.forward
 
-        def forward(x, cache=None, layer=0, key_mask=None, rope=None, _inner=inner):
+        def forward(x, cache=None, layer=0, key_mask=None, rope=None, documents=None, _inner=inner):
             if cache is not None or not torch.is_grad_enabled():  # generation / eval: nothing to save
-                return _inner(x, cache, layer, key_mask, rope)
-            return checkpoint(_inner, x, None, layer, key_mask, rope, use_reentrant=False)
+                return _inner(x, cache, layer, key_mask, rope, documents)
+            return checkpoint(_inner, x, None, layer, key_mask, rope, documents, use_reentrant=False)
 
         block.forward = forward
     return len(blocks)
@@ -273,7 +279,7 @@ def deepspeed_config(
         "stage": ds.stage,
         # Both exist for GPUs (overlap the gradient reduction with the backward on a side stream;
         # avoid fragmenting GPU memory). A CPU has no streams and no fragmentation to avoid: they
-        # only add gradient copies (~10% of a tiny model's ZeRO-2 step; lmsys.bench train).
+        # only add gradient copies (~10% of a tiny model's ZeRO-2 step; tools.bench train).
         "overlap_comm": ds.overlap_comm and cuda,
         "contiguous_gradients": ds.contiguous_gradients and cuda,
         "reduce_bucket_size": ds.reduce_bucket_size,

@@ -223,7 +223,7 @@ def generate_batch(
     prompts: Sequence[Sequence[int]],
     max_new_tokens: Sequence[int],
     sampling: Sampling = Sampling(),
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     seed: int | None = None,
     use_cache: bool = True,
     on_token: Callable[[int, int], None] | None = None,
@@ -236,7 +236,8 @@ def generate_batch(
     then one position per step for every row still generating. Row i gets its own random
     generator seeded with `seed`, its own positions, and never sees another row's tokens, so it
     gives the tokens prompts[i] gives alone (the README's "Generation" says where float rounding
-    can differ). A row stops after eos (not included), after max_new_tokens[i] tokens, or when
+    can differ). A row stops after eos (not included; `eos_id` may name several tokens, e.g. a
+    chat template's end of turn and the eos), after max_new_tokens[i] tokens, or when
     stop(i, its tokens) is true, and then leaves the batch. `on_token(i, token)` sees each new
     token. Without a cache (use_cache=False, or a model that cannot use one) the prompts are
     generated one after another, each re-running its whole prefix per token.
@@ -247,10 +248,11 @@ def generate_batch(
     sampling.check()
     generators = [_generator(seed) for _ in prompts]
     outputs: list[list[int]] = [[] for _ in prompts]
+    stop_ids = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
 
     def take(row: int, token: int) -> bool:
         """Record row's next token; whether the row goes on."""
-        if eos_id is not None and token == eos_id:
+        if token in stop_ids:
             return False
         outputs[row].append(token)
         if on_token is not None:
@@ -298,7 +300,7 @@ def generate_one(
     prompt: Sequence[int],
     max_new_tokens: int,
     sampling: Sampling = Sampling(),
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     seed: int | None = None,
     use_cache: bool = True,
     on_token: Callable[[int], None] | None = None,

@@ -23,7 +23,7 @@ transpose of `nn.Linear`'s (out, in):
 Both fuse Q, K, V in that order with head h in columns [h*d, (h+1)*d) of each third, so the
 fused matrix maps over with a transpose only.
 
-Reading a transformers checkpoint directory (`read_hf_weights`; lmsys.interop.exports reads its
+Reading a transformers checkpoint directory (`read_hf_weights`; lmsys.interop.export_dir reads its
 config.json and dispatches on model_type, the Llama family to lmsys/interop/hf_llama.py): the
 weights as `model.safetensors` or `pytorch_model.bin`, either one file or shards listed by their
 `.index.json`; safetensors is preferred, and a .bin is read with

@@ -30,11 +30,35 @@ class CacheSpan:
     key_mask: torch.Tensor | None  # (B, Tk) bool over the keys store() returns, False where hidden
     row_positions: torch.Tensor | None  # (B, t) each token's position in its row; None: start + i
     clamped: bool = False  # positions past the table are clamped, not refused (StaticKVCache)
+    documents: torch.Tensor | None = None  # (B, t) document ids of packed rows (document_span)
 
 
 def uncached_span(mask: torch.Tensor | None, t: int) -> CacheSpan:
     """A forward without a cache: the keys are the t tokens themselves."""
     return CacheSpan(0, mask, _row_positions(mask, t))
+
+
+def document_span(documents: torch.Tensor) -> CacheSpan:
+    """A forward without a cache over rows packed with documents (B, t): each token attends to
+    its own document only, and its position counts from its document's first token. Those
+    positions are below t, so once the caller has checked t against the table they need no
+    check of their own (`clamped`: none that reads them back, which would break a compiled graph)."""
+    return CacheSpan(0, None, document_positions(documents), clamped=True, documents=documents)
+
+
+def document_positions(documents: torch.Tensor) -> torch.Tensor:  # (B, t) -> (B, t)
+    """Each token's position in its document: its index minus the index of its document's first
+    token (a row's first token starts a document; documents are contiguous runs of one id)."""
+    index = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)  # (B, t)
+    first = torch.where(document_starts(documents), index, 0).cummax(dim=1).values  # (B, t)
+    return index - first  # first: the index of each token's document's first token
+
+
+def document_starts(documents: torch.Tensor) -> torch.Tensor:  # (B, t) -> (B, t) bool
+    """True at each document's first token (a row's first token included)."""
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return starts
 
 
 def _row_positions(key_mask: torch.Tensor | None, t: int) -> torch.Tensor | None:  # (B, t) or None

@@ -8,29 +8,35 @@ through them; the kernel modules are imported lazily so a CPU-only user never pa
 The loss from hidden states follows `model.loss_impl` (`linear_cross_entropy`): the fused Triton
 kernel, the chunked torch path, or torch's own F.linear_cross_entropy (chunked, "torch").
 
-The Llama family's pieces (SPEC section 11) have no Triton kernel of their own yet: RMS norm,
-rotary positions and the gated activation run their torch references under every setting, and
-grouped-query attention reaches the flash-attention kernel with each key/value head repeated for
-its group of query heads.
+The Llama family's pieces (SPEC section 11) follow the same setting: RMS norm and the fused
+residual add + RMS norm (kernels.layer_norm.rms_norm / add_rms_norm), rotary positions
+(kernels.rotary), the gated activation with silu, gelu or gelu_tanh (kernels.gated), and
+grouped-query attention, whose key/value heads the flash-attention kernel reads per group
+without repeating them.
+
+Packed documents (`attention(..., documents=)`) run the flash-attention kernel with the
+documents' bounds where the setting runs Triton (it skips every tile outside the documents), and
+torch's SDPA with kernels.reference.document_mask elsewhere.
 
 Entry points call `prepare_kernels(kernels, device)` once, before anything imports triton: it
 selects the Triton CPU interpreter when "triton" is asked for without CUDA, so that a user never
-has to set TRITON_INTERPRET=1 by hand.
+has to set TRITON_INTERPRET=1 by hand. How Triton runs in the process is kernels.runtime's.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
+from kernels import runtime
 from kernels.reference import (
+    GATED_ACTIVATIONS,
     add_layer_norm_reference,
     chunked_linear_cross_entropy,
+    document_mask,
     layer_norm_reference,
     repeat_kv,
     rms_norm_reference,
@@ -39,33 +45,6 @@ from kernels.reference import (
 from lmsys.core.console import command, warn
 from lmsys.core.errors import ConfigError
 
-# Values of TRITON_INTERPRET that triton reads as "on" (triton.knobs' boolean parsing).
-_TRUTHY = ("1", "true", "on", "yes", "y")
-
-
-def _imported_triton_mode() -> str | None:
-    """How this process's triton builds @triton.jit functions: None while triton is not imported,
-    else "interpreter" or "compiled".
-
-    Triton fixes the mode when it is imported: its own library functions (tl.sum, tl.max, ...)
-    are @triton.jit functions built at that import, for the interpreter or for compiled GPU
-    code, and an interpreted kernel cannot call compiled ones ("Cannot call @triton.jit'd outside
-    of the scope of a kernel"; checked with triton 3.9). Our kernel modules, if imported, were
-    built the same way then."""
-    if "triton" not in sys.modules:
-        return None
-    try:  # triton is already imported here; these imports only look at it
-        from triton.language import standard
-        from triton.runtime import JITFunction
-
-        compiled = isinstance(standard.sum, JITFunction)  # an InterpretedFunction otherwise
-    except (ImportError, AttributeError):  # another triton layout: trust the variable it read
-        compiled = os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in _TRUTHY
-    flash = sys.modules.get("kernels.flash_attention")
-    if flash is not None and not getattr(flash, "_INTERPRET", True):
-        compiled = True
-    return "compiled" if compiled else "interpreter"
-
 
 def prepare_kernels(kernels: str, device: torch.device | str, dtype: torch.dtype | None = None) -> None:
     """Make `model.kernels=<kernels>` runnable on `device`. Call it once per process, as early as
@@ -73,7 +52,7 @@ def prepare_kernels(kernels: str, device: torch.device | str, dtype: torch.dtype
     initialize does, for one).
 
     Only kernels="triton" without CUDA needs anything: the Triton CPU interpreter. Before triton
-    is imported this sets TRITON_INTERPRET=1 in os.environ (child processes inherit it); when
+    is imported this requests it in os.environ (TRITON_INTERPRET=1: child processes inherit it); when
     triton is already imported for the interpreter there is nothing to do; when it was imported
     for compiled GPU code, which cannot be undone in this process, it raises one ConfigError
     saying how to start the process instead; with `dtype` bf16 it raises one ConfigError too (the
@@ -82,7 +61,7 @@ def prepare_kernels(kernels: str, device: torch.device | str, dtype: torch.dtype
     kernels run interpreted there.
     """
     on_cuda = torch.device(device).type == "cuda"
-    if on_cuda and kernels != "torch" and os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUTHY:
+    if on_cuda and kernels != "torch" and runtime.interpreter_requested():
         warn(
             command(),
             "TRITON_INTERPRET is set: the Triton kernels run in the Python interpreter, thousands of "
@@ -95,11 +74,11 @@ def prepare_kernels(kernels: str, device: torch.device | str, dtype: torch.dtype
             f"model.kernels=triton with bf16 on {torch.device(device)}: the Triton CPU interpreter "
             "cannot compute bf16 attention; use fp32 there, or model.kernels=auto (torch ops)"
         )
-    mode = _imported_triton_mode()
+    mode = runtime.triton_mode()
     if mode != "compiled":
         _warn_interpreted(str(torch.device(device)))
     if mode is None:
-        os.environ["TRITON_INTERPRET"] = "1"
+        runtime.request_interpreter()
     elif mode == "compiled":
         raise ConfigError(
             f"model.kernels=triton on {torch.device(device)} needs the Triton CPU interpreter, but "
@@ -125,8 +104,8 @@ _FALLEN_BACK: set[str] = set()
 
 
 def fall_back(kernel: str) -> None:
-    """Run `kernel` ("attention", "layer_norm", "add_layer_norm", "linear_cross_entropy") as its
-    torch reference in this process from now on."""
+    """Run `kernel` ("attention", "layer_norm", "add_layer_norm", "rms_norm", "add_rms_norm",
+    "rotary", "gated", "linear_cross_entropy") as its torch reference in this process from now on."""
     _FALLEN_BACK.add(kernel)
 
 
@@ -158,15 +137,29 @@ def attention(
     softmax: str = "row",
     key_mask: torch.Tensor | None = None,  # (B, Tk) bool: False at padding keys
     query_slots: torch.Tensor | None = None,  # (Tq,) the queries' key slots; None: the last Tq
+    documents: torch.Tensor | None = None,  # (B, T) document ids of packed rows (Tq = Tk = T)
 ) -> torch.Tensor:  # (B, H, Tq, d_vo)
     """softmax(scale * Q K^T + M) V per head. With Tq < Tk (decoding with a KV cache) the queries
     are the last Tq positions, so the causal mask is aligned to the bottom-right corner, unless
     `query_slots` places them (a static cache: keys past them are not filled yet, and key_mask
     hides them). With a key_mask (a padded batch) the padding keys are hidden from every query
     (padded_attention). With fewer key/value heads than query heads (grouped-query attention)
-    query head h reads key/value head h // (H / Hkv): torch's SDPA does so itself (enable_gqa),
-    the flash-attention kernel gets the key/value heads repeated (`repeat_kv`)."""
+    query head h reads key/value head h // (H / Hkv): torch's SDPA and the flash-attention kernel
+    both do so themselves (enable_gqa; the kernel's grouped heads). With `documents` (packed rows,
+    no cache) a query sees only the keys of its own document (`packed_attention`)."""
     groups = q.shape[1] // k.shape[1]
+    if documents is not None:
+        return packed_attention(
+            q,
+            k,
+            v,
+            documents,
+            causal=causal,
+            scale=scale,
+            softmax=softmax,
+            key_mask=key_mask,
+            kernels=kernels,
+        )
     if key_mask is not None:
         if softmax == "matrix":
             raise ValueError(
@@ -183,7 +176,7 @@ def attention(
     if same_length and use_triton(q, kernels, "attention"):
         from kernels.flash_attention import flash_attention  # the custom op (torch.compile traces it)
 
-        return flash_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), causal, scale)
+        return flash_attention(q, k, v, causal, scale)
     gqa = groups > 1
     if causal and q.shape[2] == 1:  # one query after its cache sees every key: no mask, fast path
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
@@ -193,6 +186,44 @@ def attention(
         visible = torch.arange(t_k, device=q.device)[None, :] <= query_pos  # (Tq, Tk)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+
+
+def packed_attention(
+    q: torch.Tensor,  # (B, H, T, d_qk)
+    k: torch.Tensor,  # (B, Hkv, T, d_qk)
+    v: torch.Tensor,  # (B, Hkv, T, d_vo)
+    documents: torch.Tensor,  # (B, T) document ids, non-decreasing along each row
+    *,
+    causal: bool,
+    scale: float,
+    softmax: str = "row",
+    key_mask: torch.Tensor | None = None,
+    kernels: str = "auto",
+) -> torch.Tensor:  # (B, H, T, d_vo)
+    """Attention of rows packed with documents, each token seeing only its own document.
+
+    Where `kernels` runs Triton, the flash-attention kernel with the documents: it visits only
+    the tiles inside the rows' documents, so the work grows with the sum of the squared document
+    lengths. Elsewhere torch's SDPA with the mask of kernels.reference.document_mask (a boolean
+    mask: the memory-efficient kernel on CUDA, the math one on CPU). Grouped-query heads are read
+    in place by both."""
+    if softmax == "matrix":
+        raise ValueError(
+            "attention.softmax=matrix normalises over the whole matrix: it cannot take documents"
+        )
+    if key_mask is not None or q.shape[2] != k.shape[2]:
+        raise ValueError("attention with documents takes whole packed rows: no KV cache and no padding mask")
+    if documents.shape != (q.shape[0], q.shape[2]):
+        raise ValueError(
+            f"documents must be (B, T) = {(q.shape[0], q.shape[2])}, got {tuple(documents.shape)}"
+        )
+    if use_triton(q, kernels, "attention"):
+        from kernels.flash_attention import flash_attention  # the custom op (torch.compile traces it)
+
+        return flash_attention(q, k, v, causal, scale, documents)
+    visible = document_mask(documents, causal)  # (B, 1, T, T)
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa)
 
 
 def padded_attention(
@@ -275,9 +306,16 @@ def add_layer_norm(
     kernels: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(LN(x + residual), x + residual): one fused pass on GPU, two ops in torch."""
-    if formula in ("none", "rms"):
+    if formula == "none":
         summed = x + residual
-        return (summed if formula == "none" else rms_norm(summed, weight, eps=eps, kernels=kernels)), summed
+        return summed, summed
+    if formula == "rms":
+        if use_triton(x, kernels, "add_rms_norm") and _rms_kernel_takes(x, weight):
+            from kernels.layer_norm import add_rms_norm  # the custom op: module docstring
+
+            return add_rms_norm(x, residual, weight, eps)
+        summed = x + residual
+        return rms_norm_reference(summed, weight, eps), summed
     if use_triton(x, kernels, "add_layer_norm"):
         from kernels.layer_norm import add_layer_norm as fused  # the custom op: module docstring
 
@@ -292,9 +330,19 @@ def rms_norm(
     eps: float,
     kernels: str = "auto",
 ) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * g, statistics in fp32 (SPEC section 11): the torch reference under
-    every `kernels` setting until a Triton kernel exists."""
+    """x / sqrt(mean(x^2) + eps) * g, statistics in fp32 (SPEC section 11): the Triton kernel (the
+    layer norm's "rms" formula), or its torch definition."""
+    if use_triton(x, kernels, "rms_norm") and _rms_kernel_takes(x, weight):
+        from kernels.layer_norm import rms_norm as triton_rms_norm  # the custom op: module docstring
+
+        return triton_rms_norm(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
+
+
+def _rms_kernel_takes(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    """The kernel returns x's dtype; the reference returns the gain's product type, so a gain of
+    another dtype (an fp32 gain on bf16 activations) stays with the reference."""
+    return weight is None or weight.dtype == x.dtype
 
 
 # ----------------------------------------------------------------------------- the Llama family
@@ -308,8 +356,12 @@ def rotary(
     *,
     kernels: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries and keys rotated by their positions (SPEC section 11, the half-split layout): the
-    torch reference under every `kernels` setting until a Triton kernel exists."""
+    """Queries and keys rotated by their positions (SPEC section 11, the half-split layout): one
+    Triton kernel for both (kernels.rotary), or the torch reference."""
+    if use_triton(q, kernels, "rotary"):
+        from kernels.rotary import rotary as triton_rotary  # the custom op: module docstring
+
+        return triton_rotary(q, k, cos, sin)
     return rotary_reference(q, cos, sin), rotary_reference(k, cos, sin)
 
 
@@ -332,7 +384,12 @@ def gated(
     kernels: str = "auto",
 ) -> torch.Tensor:  # (..., d_ff)
     """phi(gate) * up, the gated feed-forward's hidden layer (SwiGLU with silu, GeGLU with gelu):
-    torch under every `kernels` setting until a fused kernel exists."""
+    one fused Triton kernel each way for silu, gelu and gelu_tanh (kernels.gated), torch for the
+    other activations and under kernels=torch."""
+    if activation in GATED_ACTIVATIONS and use_triton(gate, kernels, "gated"):
+        from kernels.gated import gated as fused  # the custom op: module docstring
+
+        return fused(gate, up, activation)
     return ACTIVATIONS[activation](gate) * up
 
 
@@ -346,7 +403,7 @@ def loss_implementation(h: torch.Tensor, loss_impl: str, kernels: str) -> str:
     """What `model.loss_impl` means for hidden states `h`: "fused", "chunked", "torch" or "full" as
     set, and "auto" is fused where model.kernels runs Triton (CUDA tensors under "auto"), chunked
     elsewhere. Why not torch's F.linear_cross_entropy under auto (docs/model.md, `python -m
-    kernels.bench ce`): on a CPU lmsys's chunked path is faster than every chunking option of
+    tools.bench ce`): on a CPU lmsys's chunked path is faster than every chunking option of
     torch's (and as small); on CUDA the fused kernel is lmsys's, torch's op is a row of the same
     benchmark, and auto changes only where that benchmark on the device says so."""
     if loss_impl == "fused" and "linear_cross_entropy" in _FALLEN_BACK:
@@ -420,7 +477,7 @@ def prepare_interpreted_loss(h: torch.Tensor, kernels: str) -> None:
             f"model.loss_impl=fused with bf16 on {device}: the Triton CPU interpreter cannot multiply bf16; "
             "use model.loss_impl=chunked there"
         )
-    mode = _imported_triton_mode()
+    mode = runtime.triton_mode()
     if mode == "compiled":
         raise ConfigError(
             f"model.loss_impl=fused on {device} needs the Triton CPU interpreter, but triton was already "
@@ -429,7 +486,7 @@ def prepare_interpreted_loss(h: torch.Tensor, kernels: str) -> None:
             "environment, or use model.loss_impl=chunked"
         )
     if mode is None:
-        os.environ["TRITON_INTERPRET"] = "1"
+        runtime.request_interpreter()
     if kernels != "triton":  # with model.kernels=triton, prepare_kernels has said it already
         _warn_interpreted_loss(device)
 

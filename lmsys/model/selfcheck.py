@@ -3,9 +3,11 @@ compared with its torch reference on this device, at the run's widths and dtype.
 
 The kernels are tested against their references in CI, but under the Triton CPU interpreter: a
 real GPU (a new architecture, another Triton or driver) can miscompile or fail to launch one.
-So each kernel the model will call (attention, layer norm, add + layer norm, the fused linear
-cross-entropy) runs once, forward and backward, on one small batch at the model's head widths,
-d_model, vocabulary and dtype, against its reference in float64 on the same rounded inputs. The
+So each kernel the model will call (attention, grouped-query attention included; layer norm, add +
+layer norm; RMS norm, add + RMS norm; rotary positions; the gated activation; the fused linear
+cross-entropy) runs once, forward and backward, on one small batch at the model's head counts and
+widths, d_model, d_ff, vocabulary and dtype, against its reference in float64 on the same rounded
+inputs. The
 tolerance comes from the dtype (`TOLERANCE`). Under model.kernels=auto a kernel that differs or
 fails to launch falls back to its torch reference for the rest of the process (lmsys.model.ops
 .fall_back) with one warning naming it, the error and the tolerance; under model.kernels=triton it
@@ -26,16 +28,25 @@ from typing import Any
 import torch
 
 from kernels.reference import (
+    GATED_ACTIVATIONS,
     add_layer_norm_reference,
     attention_reference,
+    document_attention_reference,
+    gated_reference,
     layer_norm_reference,
     linear_cross_entropy_reference,
+    repeat_kv,
+    rms_norm_reference,
+    rotary_reference,
 )
 from lmsys.core.config import ModelConfig, model_dims
 from lmsys.core.errors import LmsysError, TrainingError
 from lmsys.model import ops
 
-KERNELS = ("attention", "layer_norm", "add_layer_norm", "linear_cross_entropy")
+KERNELS = (
+    "attention", "layer_norm", "add_layer_norm", "rms_norm", "add_rms_norm", "rotary", "gated",
+    "linear_cross_entropy",
+)  # fmt: skip
 # (dtype) -> bound, as atol relative to the largest expected magnitude (at least 1) and as rtol:
 # a few times the kernel tests' bounds against float64 (tests/kernels/), far below what a wrong
 # tile, mask or reduction gives (errors of the order of the values themselves).
@@ -77,13 +88,19 @@ def kernels_used(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> 
     if not ops.use_triton(probe, cfg.kernels):
         used: list[str] = []
     else:
-        norms = cfg.norm.formula not in ("none", "rms")  # rms: no Triton kernel yet (lmsys.model.ops)
+        norms = cfg.norm.formula not in ("none", "rms")
+        rms = cfg.norm.formula == "rms"
+        any_norm = cfg.final_norm or cfg.block in ("pre", "post", "parallel")
         used = [
             name
             for name, on in (
                 ("attention", cfg.attention.softmax == "row"),
-                ("layer_norm", norms and (cfg.final_norm or cfg.block in ("pre", "post", "parallel"))),
+                ("layer_norm", norms and any_norm),
                 ("add_layer_norm", norms and cfg.block in ("pre", "post")),
+                ("rms_norm", (rms and any_norm) or cfg.attention.qk_norm),
+                ("add_rms_norm", rms and cfg.block in ("pre", "post")),
+                ("rotary", cfg.positions.kind == "rotary"),
+                ("gated", cfg.ffn.gated and cfg.ffn.activation in GATED_ACTIVATIONS),
             )
             if on
         ]
@@ -150,8 +167,16 @@ def _kernel(module: str, name: str) -> Callable[..., Any]:
     return lambda *args: getattr(importlib.import_module(f"kernels.{module}"), name)(*args)
 
 
-def _cases(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator):
-    """kernel name -> (kernel, reference, inputs, input names), each one small call at the run's widths."""
+def _cases(
+    cfg: ModelConfig,
+    seq_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    gen: torch.Generator,
+    documents: bool = False,
+):
+    """kernel name -> (kernel, reference, inputs, input names), each one small call at the run's
+    widths; attention over a row packed with two documents when the run packs them."""
     dims = model_dims(cfg)
     t = max(1, min(seq_len, MAX_TOKENS))
     d, h = cfg.d_model, cfg.n_heads
@@ -175,10 +200,13 @@ def _cases(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: torch.dev
     # On a GPU attention runs at the run's sequence length: its autotuning and compilation (keyed
     # on T's power of two and the head widths, not on B) are then the ones the first step needs.
     t_attn = seq_len if device.type == "cuda" else t
+    h_kv, groups = dims.n_kv_heads, h // dims.n_kv_heads
     q = _random((1, h, t_attn, dims.d_qk), dtype, device, gen)  # (B=1, H, T, d_qk)
-    k = _random((1, h, t_attn, dims.d_qk), dtype, device, gen)
-    v = _random((1, h, t_attn, dims.d_vo), dtype, device, gen)
+    k = _random((1, h_kv, t_attn, dims.d_qk), dtype, device, gen)  # (B=1, Hkv, T, d_qk)
+    v = _random((1, h_kv, t_attn, dims.d_vo), dtype, device, gen)
     flash_attention = _kernel("flash_attention", "flash_attention")
+    # two documents in the row, the second from a third of it on
+    packed = (torch.arange(t_attn, device=device) >= t_attn // 3).long()[None] if documents else None
     layer_norm, add_layer_norm = _kernel("layer_norm", "layer_norm"), _kernel("layer_norm", "add_layer_norm")
     linear_cross_entropy = _kernel("linear_cross_entropy", "linear_cross_entropy")
     x, residual = _random((t, d), dtype, device, gen), _random((t, d), dtype, device, gen)
@@ -187,11 +215,14 @@ def _cases(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: torch.dev
     targets = torch.randint(0, cfg.vocab_size, (t,), generator=gen).to(device)
     return {
         "attention": (
-            lambda q, k, v: flash_attention(q, k, v, causal, scale),
-            lambda q, k, v: attention_reference(q, k, v, causal, scale),
+            lambda q, k, v: flash_attention(q, k, v, causal, scale, packed),
+            lambda q, k, v: _attention_reference(
+                q, repeat_kv(k, groups), repeat_kv(v, groups), causal, scale, packed
+            ),
             [q, k, v],
             ["q", "k", "v"],
         ),
+        **_llama_cases(cfg, t, dtype, device, gen),
         "layer_norm": (
             with_affine(lambda x, w, b: layer_norm(x, w, b, eps, formula)),
             with_affine(lambda x, w, b: layer_norm_reference(x, w, b, eps, formula)),
@@ -213,6 +244,66 @@ def _cases(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: torch.dev
     }
 
 
+def _attention_reference(q, k, v, causal: bool, scale: float, documents: torch.Tensor | None):
+    if documents is None:
+        return attention_reference(q, k, v, causal, scale)
+    return document_attention_reference(q, k, v, documents, causal, scale)
+
+
+def _llama_cases(cfg: ModelConfig, t: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator):
+    """The Llama family's kernels (RMS norm, add + RMS norm, rotary, the gated activation) at the
+    run's widths: the RMS norm at d_model (at d_qk when only QK-norm uses it)."""
+    dims = model_dims(cfg)
+    width = cfg.d_model if cfg.norm.formula == "rms" else dims.d_qk
+    eps = cfg.norm.eps
+    gain = _random((width,), dtype, device, gen)
+    x, residual = _random((t, width), dtype, device, gen), _random((t, width), dtype, device, gen)
+    q = _random((1, cfg.n_heads, t, dims.d_qk), dtype, device, gen)  # (B=1, H, T, d_qk)
+    k = _random((1, dims.n_kv_heads, t, dims.d_qk), dtype, device, gen)  # (B=1, Hkv, T, d_qk)
+    angles = torch.rand((t, dims.d_qk // 2), generator=gen) * 2 * torch.pi
+    angles = torch.cat((angles, angles), dim=-1)  # (T, d_qk): one angle per pair (i, i + d/2)
+    cos, sin = angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+    d_ff = dims.d_ff
+    gate, up = _random((t, d_ff), dtype, device, gen), _random((t, d_ff), dtype, device, gen)
+    activation = cfg.ffn.activation if cfg.ffn.activation in GATED_ACTIVATIONS else "silu"
+    rms_norm, add_rms_norm = _kernel("layer_norm", "rms_norm"), _kernel("layer_norm", "add_rms_norm")
+    rotary, gated = _kernel("rotary", "rotary"), _kernel("gated", "gated")
+
+    def add_rms_reference(x, r, w):
+        summed = x + r
+        return rms_norm_reference(summed, w, eps), summed
+
+    return {
+        "rms_norm": (
+            lambda x, w: rms_norm(x, w, eps),
+            lambda x, w: rms_norm_reference(x, w, eps),
+            [x, gain],
+            ["x", "weight"],
+        ),
+        "add_rms_norm": (
+            lambda x, r, w: add_rms_norm(x, r, w, eps),
+            add_rms_reference,
+            [x, residual, gain],
+            ["x", "residual", "weight"],
+        ),
+        "rotary": (  # the tables are no inputs: they get no gradient
+            lambda q, k: rotary(q, k, cos, sin),
+            lambda q, k: (
+                rotary_reference(q, cos.double(), sin.double()),
+                rotary_reference(k, cos.double(), sin.double()),
+            ),
+            [q, k],
+            ["q", "k"],
+        ),
+        "gated": (
+            lambda g, u: gated(g, u, activation),
+            lambda g, u: gated_reference(g, u, activation),
+            [gate, up],
+            ["gate", "up"],
+        ),
+    }
+
+
 def check_kernels(
     cfg: ModelConfig,
     seq_len: int,
@@ -220,8 +311,11 @@ def check_kernels(
     dtype: torch.dtype,
     break_kernel: str = "",
     kernels: list[str] | None = None,
+    documents: bool = False,
 ) -> KernelCheck:
-    """Compare each kernel in `kernels` (default: those the run uses) with its reference."""
+    """Compare each kernel in `kernels` (default: those the run uses) with its reference;
+    `documents`: the run packs documents (data.document_masking), so attention is checked with
+    them."""
     started = time.perf_counter()
     names = kernels_used(cfg, device, dtype) if kernels is None else kernels
     result = KernelCheck(str(device), dtype)
@@ -232,7 +326,7 @@ def check_kernels(
     if device.type == "cpu" and "linear_cross_entropy" in names:
         # the fused loss on CPU needs the interpreter: selected, or one user error line (ops')
         ops.prepare_interpreted_loss(torch.empty(0, dtype=dtype), cfg.kernels)
-    cases = _cases(cfg, seq_len, dtype, device, gen)
+    cases = _cases(cfg, seq_len, dtype, device, gen, documents)
     for name in names:
         kernel, reference, inputs, input_names = cases[name]
         try:

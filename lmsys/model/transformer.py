@@ -20,7 +20,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from lmsys.core.config import ModelConfig, context_prefix, model_dims, validate_model
 from lmsys.model import ops
-from lmsys.model.kv_cache import CacheSpan, KVCache, StaticKVCache, uncached_span
+from lmsys.model.kv_cache import (
+    CacheSpan,
+    KVCache,
+    StaticKVCache,
+    document_span,
+    document_starts,
+    uncached_span,
+)
 
 # ----------------------------------------------------------------------------- positions
 
@@ -228,6 +235,7 @@ class Attention(nn.Module):
         layer: int = 0,
         key_mask: torch.Tensor | None = None,  # (B, Tk) bool, False at padding (Transformer.forward)
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin (Positions.rotation)
+        documents: torch.Tensor | None = None,  # (B, T) document ids of packed rows
     ) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.project_qkv(x)  # (B, H, T, d_qk), (B, Hkv, T, d_qk), (B, Hkv, T, d_vo)
@@ -247,6 +255,7 @@ class Attention(nn.Module):
             softmax=self.softmax,
             key_mask=key_mask,
             query_slots=query_slots,
+            documents=documents,
         )  # (B, H, T, d_vo)
         heads = heads.transpose(1, 2).reshape(b, t, self.n_heads * self.d_vo)  # (B, T, H*d_vo)
         return self.w_o(heads)  # (B, T, D)
@@ -350,24 +359,25 @@ class Block(nn.Module):
         layer: int = 0,
         key_mask: torch.Tensor | None = None,  # (B, Tk) bool, False at padding
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # rotary cos, sin (Positions.rotation)
+        documents: torch.Tensor | None = None,  # (B, T) document ids of packed rows
     ) -> torch.Tensor:
         if self.arrangement == "none":
-            y = x + self.attn(x, cache, layer, key_mask, rope)
+            y = x + self.attn(x, cache, layer, key_mask, rope, documents)
             return y + self.ffn(y)
         if self.arrangement == "pre":
             assert self.norm1 is not None and self.norm2 is not None
             normed, y = self.norm2.add_norm(
-                self.attn(self.norm1(x), cache, layer, key_mask, rope), x
+                self.attn(self.norm1(x), cache, layer, key_mask, rope, documents), x
             )  # y = X + attn
             return y + self.ffn(normed)
         if self.arrangement == "post":
             assert self.norm1 is not None and self.norm2 is not None
-            y, _ = self.norm1.add_norm(self.attn(x, cache, layer, key_mask, rope), x)
+            y, _ = self.norm1.add_norm(self.attn(x, cache, layer, key_mask, rope, documents), x)
             out, _ = self.norm2.add_norm(self.ffn(y), y)
             return out
         assert self.norm1 is not None  # parallel
         normed = self.norm1(x)
-        return x + self.attn(normed, cache, layer, key_mask, rope) + self.ffn(normed)
+        return x + self.attn(normed, cache, layer, key_mask, rope, documents) + self.ffn(normed)
 
 
 # ----------------------------------------------------------------------------- unembedding
@@ -467,6 +477,7 @@ class Transformer(nn.Module):
         ids: torch.Tensor,  # (B, T) LongTensor
         cache: KVCache | StaticKVCache | None = None,
         mask: torch.Tensor | None = None,  # (B, T) bool: False at padding
+        documents: torch.Tensor | None = None,  # (B, T) int: each token's document, non-decreasing
     ) -> torch.Tensor:  # (B, T, V)
         """Logits of every position. With a cache, ids are the next T tokens after the cache's
         slots and their keys/values are appended to it.
@@ -475,20 +486,31 @@ class Transformer(nn.Module):
         False at the padding: a token's position is then the number of real tokens before it in
         its row (the cache remembers the earlier slots' mask), and attention hides the padding,
         so each row computes what it computes alone (up to float rounding: README, "Generation").
-        Without a mask every token is real."""
-        return self.unembed(self.hidden_states(ids, cache, mask))  # (B, T, V)
+        Without a mask every token is real.
+
+        Rows packed with several documents pass `documents`, each token's document (integers,
+        non-decreasing along a row): a token then attends only to the earlier tokens of its
+        document, and its position counts from its document's first token, so each document
+        computes what it computes alone (no cache, no mask)."""
+        return self.unembed(self.hidden_states(ids, cache, mask, documents))  # (B, T, V)
 
     def hidden_states(
         self,
         ids: torch.Tensor,  # (B, T) LongTensor
         cache: KVCache | StaticKVCache | None = None,
         mask: torch.Tensor | None = None,  # (B, T) bool: False at padding
+        documents: torch.Tensor | None = None,  # (B, T) int: each token's document (forward)
     ) -> torch.Tensor:  # (B, T, D)
         """The last hidden states: everything `forward` does before the unembedding."""
         if ids.dim() != 2:
             raise ValueError(f"expected token ids of shape (B, T), got {tuple(ids.shape)}")
         t = ids.shape[1]
-        span = cache.begin(mask, t) if cache is not None else uncached_span(mask, t)
+        if documents is not None:
+            check_documents(documents, ids, cache, mask)
+            self.positions(0, t)  # the window's check: a document's positions are below t
+            span = document_span(documents)  # (its positions need no check: compiles whole)
+        else:
+            span = cache.begin(mask, t) if cache is not None else uncached_span(mask, t)
         x = self.tok_emb(ids)  # (B, T, D)
         if span.row_positions is None:
             pos = self.positions(span.start, t)  # (T, D)
@@ -498,19 +520,27 @@ class Transformer(nn.Module):
             x = x + pos.to(x.dtype)
         rope = self.positions.rotation(span, t, x.dtype, x.device)  # (cos, sin) of rotary models
         for layer, block in enumerate(self.blocks):
-            x = block(x, cache, layer, span.key_mask, rope)
+            x = block(x, cache, layer, span.key_mask, rope, span.documents)
         if self.final_norm is not None:
             x = self.final_norm(x)
         if cache is not None:
             cache.advance(t)
         return x  # (B, T, D)
 
-    def loss(self, tokens: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    def loss(
+        self,
+        tokens: torch.Tensor,  # (B, S)
+        weights: torch.Tensor | None = None,  # (B, S) in [0, 1]
+        documents: torch.Tensor | None = None,  # (B, S) int: each token's document, non-decreasing
+    ) -> torch.Tensor:  # 0-dim
         """Causal LM loss (SPEC section 8) on tokens (B, S) with loss weights (B, S) in [0, 1]:
         the whole batch's weighted mean -sum(w logp) / sum(w) of the `next_token_pairs`, computed
-        as model.loss_impl says (the same function; fused and chunked without the logits)."""
-        inputs, targets, target_weights = next_token_pairs(self.cfg, tokens, weights)
-        return self.unembed(self.hidden_states(inputs), targets, target_weights)
+        as model.loss_impl says (the same function; fused and chunked without the logits). With
+        `documents` (packed rows, see forward) only the pairs inside a document count: each
+        document's loss is the loss it has alone."""
+        inputs, targets, target_weights = next_token_pairs(self.cfg, tokens, weights, documents)
+        input_documents = next_token_documents(self.cfg, documents)
+        return self.unembed(self.hidden_states(inputs, documents=input_documents), targets, target_weights)
 
     # -- accounting ---------------------------------------------------------------------------
 
@@ -546,15 +576,57 @@ def next_token_pairs(
     cfg: ModelConfig,
     tokens: torch.Tensor,  # (B, S)
     weights: torch.Tensor | None = None,  # (B, S): weights[b, s] weighs the prediction OF tokens[b, s]
+    documents: torch.Tensor | None = None,  # (B, S): each token's document (packed rows)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(inputs, targets, target weights) of a batch of token sequences: predict tokens[:, 1:]
     from tokens[:, :-1] (weights[:, 0] unused), or under bos_shift every token from
-    [bos_shift_id] + tokens[:, :-1]."""
+    [bos_shift_id] + tokens[:, :-1].
+
+    With `documents`, each document is its own sequence: a pair whose input ends one document and
+    whose target starts the next has weight 0, and under bos_shift a document's first token is
+    read after bos_shift_id (not after the previous document's last token) and predicted."""
     prefix = context_prefix(cfg)
     if prefix:
         bos = torch.full_like(tokens[:, :1], prefix[0])
-        return torch.cat([bos, tokens[:, :-1]], dim=1), tokens, weights  # (B, S) each
-    return tokens[:, :-1], tokens[:, 1:], weights[:, 1:] if weights is not None else None  # (B, S-1)
+        inputs = torch.cat([bos, tokens[:, :-1]], dim=1)  # (B, S)
+        if documents is not None:
+            inputs = torch.where(document_starts(documents), prefix[0], inputs)
+        return inputs, tokens, weights  # (B, S) each
+    target_weights = weights[:, 1:] if weights is not None else None  # (B, S-1)
+    if documents is not None:
+        inside = (documents[:, 1:] == documents[:, :-1]).to(torch.float32)  # (B, S-1)
+        target_weights = inside if target_weights is None else target_weights * inside
+    return tokens[:, :-1], tokens[:, 1:], target_weights  # (B, S-1)
+
+
+def next_token_documents(cfg: ModelConfig, documents: torch.Tensor | None) -> torch.Tensor | None:
+    """The documents of next_token_pairs' inputs: documents[:, :-1], or all of them under bos_shift."""
+    if documents is None or context_prefix(cfg):
+        return documents
+    return documents[:, :-1]  # (B, S-1)
+
+
+def check_documents(
+    documents: torch.Tensor,
+    ids: torch.Tensor,
+    cache: KVCache | StaticKVCache | None,
+    mask: torch.Tensor | None,
+) -> None:
+    """ValueError unless `documents` names a document for each token of `ids`, non-decreasing
+    along each row, in a forward without a cache or a padding mask. The order is not checked
+    under torch.compile (it reads the tensor back: a graph break)."""
+    if cache is not None or mask is not None:
+        raise ValueError(
+            "documents describe whole packed rows: a forward with documents takes no cache or mask"
+        )
+    if documents.shape != ids.shape:
+        raise ValueError(
+            f"documents must have the ids' shape {tuple(ids.shape)}, got {tuple(documents.shape)}"
+        )
+    if documents.dtype.is_floating_point or documents.dtype.is_complex or documents.dtype == torch.bool:
+        raise ValueError(f"documents must hold integer ids, got {documents.dtype}")
+    if not torch.compiler.is_compiling() and bool((documents[:, 1:] < documents[:, :-1]).any()):
+        raise ValueError("documents must be non-decreasing along each row (each document one run of tokens)")
 
 
 def weighted_next_token_loss(

@@ -488,7 +488,8 @@ def _replay(
 ) -> Finding | None:
     try:
         for i, batch in enumerate(batches):
-            loss = model.loss(batch.tokens.to(device), batch.weights.to(device))  # 0-dim
+            on_device = batch.to(device)
+            loss = model.loss(on_device.tokens, on_device.weights, on_device.documents)  # 0-dim
             if watch.found is None and not _finite(loss):
                 watch.found = ("", "forward", "loss")
             if watch.found is not None:

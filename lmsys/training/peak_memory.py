@@ -189,7 +189,7 @@ def memory_line(predicted: int, measured: int, how: Measured) -> str:
     line = (
         f"memory: predicted {mib(predicted)} of tensors; the process's peak RSS grew by {mib(measured)}, "
         "which also holds what glibc keeps and memory that is no tensor: a bound, not the planner's error "
-        "(python -m lmsys.bench plan measures the tensors)"
+        "(python -m tools.bench plan measures the tensors)"
     )
     if how.includes_diagnosis:
         line += "; it includes a bad step's replay on a copy of the model"

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lmsys.core.rundir import LOSS_PLOT_FILE, EvalRecord, TrainRecord, read_records
+from lmsys.core.rundir import LOSS_PLOT_FILE, EvalRecord, TrainRecord, read_records, read_run_file
+from lmsys.engine.checkpoint import step_of
 
 
 def pyplot() -> Any:
@@ -33,8 +34,16 @@ def steps_axis(ax: Any) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
-def plot_losses(run_dir: str | Path) -> Path | None:
-    """<run>/loss.png: training loss per step and validation loss, from metrics.jsonl."""
+def resume_steps(run_dir: str | Path) -> list[int]:
+    """The steps a run was resumed from, in launch order (run.json's launches)."""
+    launches = read_run_file(Path(run_dir)).get("launches", [])
+    found = (step_of(Path(launch["resumed_from"]).name) for launch in launches if launch.get("resumed_from"))
+    return [step for step in found if step is not None]
+
+
+def loss_figure(run_dir: str | Path) -> Any | None:
+    """The figure of loss.png (None when the run has no loss yet): training and validation loss
+    per step, a dashed line where a launch resumed."""
     train = [r for r in read_records(run_dir, TrainRecord) if r.loss is not None]
     evals = [r for r in read_records(run_dir, EvalRecord) if r.loss is not None]
     if not train and not evals:
@@ -45,15 +54,25 @@ def plot_losses(run_dir: str | Path) -> Path | None:
         ax.plot([r.step for r in train], [r.loss for r in train], label="train loss", lw=1.2)
     if evals:
         ax.plot([r.step for r in evals], [r.loss for r in evals], "o-", label="validation loss", lw=1.2)
+    for i, step in enumerate(resume_steps(run_dir)):
+        ax.axvline(step, color="grey", ls="--", lw=0.8, label="resumed" if i == 0 else None)
     steps_axis(ax)
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(Path(run_dir).name)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    return fig
+
+
+def plot_losses(run_dir: str | Path) -> Path | None:
+    """<run>/loss.png from metrics.jsonl and run.json (`loss_figure`)."""
+    fig = loss_figure(run_dir)
+    if fig is None:
+        return None
     out = Path(run_dir) / LOSS_PLOT_FILE
     fig.savefig(out)
-    plt.close(fig)
+    pyplot().close(fig)
     return out
 
 

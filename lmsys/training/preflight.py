@@ -55,7 +55,7 @@ from lmsys.engine import checkpoint as ckpt
 from lmsys.engine import zero as eng
 from lmsys.engine.quiet import ops_to_build
 from lmsys.engine.runlock import RunLock, holder_of
-from lmsys.interop.exports import initial_model
+from lmsys.interop.export_dir import initial_model
 from lmsys.model.ops import prepare_kernels
 from lmsys.model.transformer import Transformer
 from lmsys.planning.check import Plan, check_plan
@@ -282,6 +282,7 @@ def train_loader(cfg: Config, setup: Setup, data: PreparedData) -> TokenLoader:
         world_size=setup.world_size,
         seed=cfg.trainer.seed,
         mask_doc_boundaries=cfg.data.mask_doc_boundaries,
+        document_masking=cfg.data.document_masking,
     )
 
 

@@ -57,6 +57,7 @@ class Reporter:
         self.wandb: WandbRun | None = None
         self.first_step: int | None = None  # of this launch
         self.max_steps = 0
+        self.skipped_steps: list[int] = []  # of this launch: updates skipped (non-finite, overflow)
 
     @property
     def prog(self) -> str:
@@ -113,6 +114,8 @@ class Reporter:
 
     def step_done(self, record: TrainRecord) -> None:
         due = record.step % self.log_interval == 0 or record.step in (self.first_step, self.max_steps)
+        if record.skipped:
+            self.skipped_steps.append(record.step)
         self._write(record, to_wandb=due)
         self.console.step_done(record)
 
@@ -207,7 +210,8 @@ class Reporter:
                 else f", val loss {last_val:.4f} (ppl {math.exp(min(last_val, 80.0)):.1f})"
             )
             self.note(
-                f"done: steps {start_step + 1}..{max_steps} in {elapsed_s:.1f} s, loss {first} -> {last}{val}"
+                f"done: steps {start_step + 1}..{max_steps} in {elapsed_s:.1f} s"
+                f"{skipped_clause(self.skipped_steps)}, loss {first} -> {last}{val}"
             )
         for line in (compiled, f"run directory: {run_dir.resolve()}", wandb_line):
             if line:
@@ -335,3 +339,12 @@ class WandbRun:
             self.run.finish(exit_code=exit_code)
         except Exception as exc:  # never fail a finished training run on logging
             warn(f"W&B finish failed: {type(exc).__name__}: {exc}")
+
+
+def skipped_clause(steps: list[int], shown: int = 5) -> str:
+    """`, 2 updates skipped (steps 4, 9)` for the done line; nothing when none was."""
+    if not steps:
+        return ""
+    named = ", ".join(map(str, steps[:shown])) + (", ..." if len(steps) > shown else "")
+    plural = "s" if len(steps) > 1 else ""
+    return f", {len(steps)} update{plural} skipped (step{plural} {named})"

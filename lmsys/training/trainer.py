@@ -167,16 +167,16 @@ class Trainer:
 
     def _prediction_weight(self, batch: Batch) -> float:
         """The sum of the loss weights the model's objective uses for this micro-batch."""
-        _, _, weights = next_token_pairs(self.cfg.model, batch.tokens, batch.weights)
+        _, _, weights = next_token_pairs(self.cfg.model, batch.tokens, batch.weights, batch.documents)
         assert weights is not None
         return float(weights.sum().item())
 
     def _global_weight(self, weights: list[float], loader_step: int) -> float:
         """The loss weights of the whole step, over every rank's micro-batches."""
         batch = self.setup.batch
-        # Without document-boundary masking every weight is 1 except in the split's last, partly
-        # weighted sample: the total is then known without a collective (and its device sync).
-        if not self.cfg.data.mask_doc_boundaries and not self.loader.step_has_repeats(loader_step):
+        # When every weight is 1 (no stored weights, no document masking of either kind, not the
+        # split's last, partly weighted sample) the total is known without a collective (and its sync).
+        if self.loader.uniform_weights(loader_step):
             return float(batch.global_batch_sequences * batch.seq_len)
         total = torch.tensor([sum(weights)], dtype=torch.float64, device=self.setup.device)
         dist.all_reduce(total)
@@ -200,9 +200,8 @@ class Trainer:
         totals = torch.zeros(3, dtype=torch.float64, device=device)  # (weighted loss, preempt, interrupt)
         for i, micro in enumerate(step.batches):
             hooks.at(n, "forward", i)
-            loss = engine(
-                micro.tokens.to(device, non_blocking=True), micro.weights.to(device, non_blocking=True)
-            )
+            on_device = micro.to(device, non_blocking=True)
+            loss = engine(on_device.tokens, on_device.weights, on_device.documents)
             loss = hooks.after_forward(n, i, loss)
             totals[0] += loss.detach().double() * weights[i]
             # DeepSpeed averages the micro-batch gradients of all ranks: scaling each by its share
@@ -258,8 +257,8 @@ class Trainer:
         return f"all {total} val sequences" if covered == total else f"{covered} of {total} val sequences"
 
     def evaluate(self) -> float:
-        """The weighted mean loss on trainer.eval_batches validation micro-batches of every rank
-        (0: the whole validation split)."""
+        """The weighted mean loss on the validation sequences trainer.eval_batches names (N micro-
+        batches' worth, shared among the ranks; 0: the whole validation split)."""
         engine, device = self.engine, self.setup.device
         engine.eval()
         total = torch.zeros(2, dtype=torch.float64, device=device)  # (weighted loss, weight)
@@ -267,7 +266,8 @@ class Trainer:
             for i, batch in enumerate(self.loader.val_batches(self.cfg.trainer.eval_batches)):
                 self.components.at(self.state.step, "evaluation", i)
                 weight = self._prediction_weight(batch)
-                loss = engine(batch.tokens.to(device), batch.weights.to(device))  # every rank runs it
+                on_device = batch.to(device)
+                loss = engine(on_device.tokens, on_device.weights, on_device.documents)  # every rank runs it
                 if weight > 0:  # the whole split's last round may hold only weight-0 filler rows
                     total[0] += loss.double() * weight
                     total[1] += weight
@@ -286,7 +286,7 @@ class Trainer:
     def fit(self, step_hook: Callable[[int], None] | None = None) -> None:
         """Every step from the checkpoint's to trainer.max_steps, evaluating and saving on their
         intervals and at the end. step_hook(step) runs after each step's logging, evaluation and
-        checkpoint (lmsys.bench train interleaves a plain loop's steps with lmsys's through it).
+        checkpoint (tools.bench train interleaves a plain loop's steps with lmsys's through it).
         A stop request (`StopRequest`) ends the run after the step every rank learns of it in:
         `Saves.stop_run` saves that step and raises Stopped."""
         t = self.cfg.trainer

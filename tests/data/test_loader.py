@@ -210,8 +210,22 @@ def test_val_batches_zero_cover_the_whole_split_once(data):
         assert +scored == whole  # every sequence exactly once
         fillers += sum(len(b) for b in batches) * micro - num
         assert ranks[0].val_coverage(0) == (num, num)
-        assert ranks[0].val_coverage(1) == (min(num, world * micro), num)
+        assert ranks[0].val_coverage(1) == (min(num, micro), num)
     assert fillers > 0  # some round ended past the split's end
+
+
+def test_eval_batches_score_the_same_sequences_on_any_world_size(data):
+    """trainer.eval_batches=N: the split's first N x micro sequences, each once with weight 1,
+    however many ranks share them (the same weights, so the same validation loss)."""
+    micro, count = 1, 5
+    want = [data.split("val").read(i * S, S).astype(np.int64).tobytes() for i in range(micro * count)]
+    for world in (1, 2, 3):
+        scored: Counter = Counter()
+        for rank in range(world):
+            for batch in loader(data, world=world, rank=rank, micro=micro).val_batches(count):
+                for row, weights in zip(rows(batch), batch.weights, strict=True):
+                    scored[row] += bool(weights.all())
+        assert +scored == Counter(want), world
 
 
 def test_mask_doc_boundaries_weights(data):
@@ -228,6 +242,22 @@ def test_mask_doc_boundaries_weights(data):
         assert torch.equal(b.weights, a.weights * (~after_eos).float())
         zeros += int(after_eos.sum())
     assert zeros > 0  # documents are short enough that boundaries occur
+
+
+def test_document_masking_gives_each_batch_its_documents(data):
+    """Text data: a new document after every eos (a row's first token starts one), the weights
+    as without masking (the model drops the pairs across documents itself), and the step's
+    weights no longer all 1."""
+    plain, masked = loader(data, micro=6), loader(data, micro=6, document_masking=True)
+    assert loader(data, micro=6).next_batch().documents is None and plain.uniform_weights(1)
+    assert not masked.uniform_weights(1)
+    for _ in range(5):
+        batch, want = masked.next_batch(), plain.next_batch()
+        assert torch.equal(batch.tokens, want.tokens) and torch.equal(batch.weights, want.weights)
+        docs = batch.documents
+        assert docs.dtype == torch.int64 and docs.shape == batch.tokens.shape and (docs[:, 0] == 0).all()
+        steps = docs[:, 1:] - docs[:, :-1]  # (B, S-1)
+        assert torch.equal(steps, (batch.tokens[:, :-1] == EOS_ID).long())
 
 
 def test_split_shorter_than_a_sample(data):

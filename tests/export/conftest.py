@@ -160,7 +160,7 @@ def tokenizer_path(data_dir) -> Path:
 @pytest.fixture(scope="session")
 def random_export(tmp_path_factory, tokenizer_path) -> Path:
     """An export (lmsys format) of a random-weight small tiny model."""
-    from lmsys.interop.exports import write_export
+    from lmsys.interop.export_dir import write_export
     from lmsys.model.transformer import Transformer
 
     cfg = small_config()
@@ -175,7 +175,7 @@ def hf_export(tmp_path_factory, tokenizer_path) -> Path:
     """A format=hf export of a random-weight small tiny model with lmsys's SentencePiece tokenizer:
     config.json (GPT2Config), model.safetensors, tokenizer.model, tokenizer.json,
     tokenizer_config.json, generation_config.json, README.md."""
-    from lmsys.interop.exports import write_export
+    from lmsys.interop.export_dir import write_export
     from lmsys.model.transformer import Transformer
 
     cfg = small_config()
@@ -207,7 +207,7 @@ def hf_gpt2_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def gpt2_import(tmp_path_factory, hf_gpt2_dir) -> Path:
     """`hf_gpt2_dir` imported by lmsys-import's function: an lmsys export of it."""
-    from lmsys.interop.exports import import_checkpoint
+    from lmsys.interop.export_dir import import_checkpoint
 
     return import_checkpoint(hf_gpt2_dir, tmp_path_factory.mktemp("imports") / "gpt2-test")
 

@@ -14,7 +14,7 @@ from lmsys.core.errors import CheckpointError
 from lmsys.core.rundir import CHECKPOINTS
 from lmsys.engine import checkpoint as ckpt
 from lmsys.export import main
-from lmsys.interop.exports import export_checkpoint, load_model
+from lmsys.interop.export_dir import export_checkpoint, load_model
 from tests.export.conftest import TRAIN_STEPS
 
 pytestmark = pytest.mark.slow

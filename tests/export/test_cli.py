@@ -33,7 +33,7 @@ def _other_tokenizer(path: Path, vocab: int) -> Path:
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, random_export, ds_checkpoints, tokenizer_path) -> dict[str, Path]:
     """The broken and good inputs of every call."""
-    from lmsys.interop.exports import load_export, write_export
+    from lmsys.interop.export_dir import load_export, write_export
     from tests.export.test_evaluate import held_out_text
 
     root = tmp_path_factory.mktemp("cli")
@@ -137,7 +137,7 @@ def test_export_bad_inputs(cli, files, ds_checkpoints, capsys):
 @pytest.mark.slow
 def test_generate_streams_the_greedy_continuation(cli, files):
     from lmsys.inference.generation import generate, prompt_ids
-    from lmsys.interop.exports import load_export
+    from lmsys.interop.export_dir import load_export
 
     proc = cli["generate-stream"]
     assert proc.returncode == 0, proc.stderr
@@ -149,7 +149,7 @@ def test_generate_streams_the_greedy_continuation(cli, files):
 
 def test_generate_batch_with_a_truncated_prompt(files, capsys):
     from lmsys.inference.generation import Sampling, fit_prompt, generate_one, prompt_ids
-    from lmsys.interop.exports import load_export
+    from lmsys.interop.export_dir import load_export
 
     args = [str(files["export"]), "prompt=Return the", f"prompt={LONG_PROMPT}", "on_long_prompt=truncate",
             "output=jsonl", "temperature=0.9", "top_k=40", "seed=5", "max_new_tokens=8"]  # fmt: skip
@@ -195,7 +195,7 @@ def test_generate_bad_inputs(cli, files, capsys):
 @pytest.mark.slow
 def test_eval_text_file(cli, files):
     from lmsys.inference.evaluation import evaluate_text
-    from lmsys.interop.exports import load_export
+    from lmsys.interop.export_dir import load_export
 
     proc = cli["eval-text"]
     assert proc.returncode == 0, proc.stderr

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from lmsys.core.errors import CheckpointError, ExportError
-from lmsys.interop.exports import export_checkpoint, load_export, load_model, write_export
+from lmsys.interop.export_dir import export_checkpoint, load_export, load_model, write_export
 from lmsys.model.transformer import Transformer
 from tests.export.conftest import SEQ, VOCAB, small_config
 
@@ -81,7 +81,7 @@ def test_bf16_export_stores_bf16_and_loads(tmp_path, tokenizer_path):
 
 
 def test_write_is_atomic(tmp_path, tokenizer_path, monkeypatch):
-    from lmsys.interop import exports as export  # the module's own verify_export is patched
+    from lmsys.interop import export_dir as export  # the module's own verify_export is patched
 
     cfg = small_config()
     state = Transformer(cfg).state_dict()

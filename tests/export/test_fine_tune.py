@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lmsys.data.tokenizer import Tokenizer
-from lmsys.interop.exports import load_export
+from lmsys.interop.export_dir import load_export
 from tests.data.conftest import UNICODE_SAMPLES
 from tests.export.conftest import BPE_VOCAB, SEQ, run_cli, run_clis
 from tests.stdlib_text import module_docstrings, write_docstring_files

@@ -20,7 +20,7 @@ from lmsys.inference.generation import (
     prompt_ids,
 )
 from lmsys.model.transformer import Transformer
-from tests.export.conftest import SEQ, SMALL, VOCAB, small_config
+from tests.export.conftest import SEQ, VOCAB, small_config
 
 
 def _model(preset: str = "tiny", extra: list[str] | None = None, seed: int = 0):
@@ -233,7 +233,7 @@ def test_stream_prints_text_as_tokens_arrive_and_keeps_characters_whole(tokenize
 
 def test_generation_from_an_export_matches_the_model(random_export):
     """load_export + generate gives what the in-memory model gives (export is lossless)."""
-    from lmsys.interop.exports import load_export
+    from lmsys.interop.export_dir import load_export
 
     model, tok, _ = load_export(random_export)
     torch.manual_seed(0)
@@ -242,32 +242,3 @@ def test_generation_from_an_export_matches_the_model(random_export):
     a = generate(model, [prompt], 8, temperature=1.0, seed=2)
     b = generate(original, [prompt], 8, temperature=1.0, seed=2)
     assert a == b and len(a[0]) == 8
-
-
-def test_generate_benchmark_runs_both_ways_and_compares(capsys):
-    """`python -m lmsys.bench generate` (tiny, a short run): the same tokens both ways in both rows
-    (cache / no cache, one batch / one by one), and their ratios."""
-    from lmsys.bench.__main__ import main
-
-    assert main(["generate", "prompt_tokens=8", "new_tokens=24", "repeats=1", "threads=1", "batch=3"]) == 0
-    out = capsys.readouterr().out
-    assert "KV cache" in out and "no cache" in out and "one batch" in out and "3 single runs" in out
-    assert out.count("(same tokens: yes)") == 2
-    ratios = [float(part.split("x")[0]) for part in out.split("ratio")[1:]]
-    assert len(ratios) == 2 and min(ratios) > 0
-
-
-@pytest.mark.slow
-def test_generate_benchmark_times_the_batch_compiled(capsys):
-    """compile=true: a third row, the batch compiled with inductor (a prompt graph and a decode
-    graph), the same tokens as the eager batch, and its ratio against it."""
-    from lmsys.bench.__main__ import main
-
-    # test_compile_cli.py's model and batch size: the same graphs, which inductor's cache then holds
-    small = [f"set={o}" for o in SMALL]
-    args = ["prompt_tokens=8", "new_tokens=16", "repeats=1", "threads=1", "batch=2", "compile=true", *small]
-    assert main(["generate", *args]) == 0
-    out = capsys.readouterr().out
-    assert "the same batch compiled (torch.compile, inductor; static KV cache): 2 graph(s)" in out
-    assert out.count("(same tokens: yes)") == 3
-    assert float(out.split("ratio")[-1].split("x")[0]) > 0

@@ -27,7 +27,7 @@ import tomllib
 import torch
 from lm_eval.api.instance import Instance
 
-from lmsys.inference.harness import HarnessError, LmsysLM
+from lmsys.inference.lm_eval_model import HarnessError, LmsysLM
 from tests.export.conftest import REPO_ROOT, SEQ, run_clis, small_config
 from tests.export.test_evaluate import held_out_text
 
@@ -144,7 +144,7 @@ def _direct_loglikelihood(model, tok, context: str, continuation: str) -> float:
 
 def _direct_accuracy(export: Path) -> tuple[float, list[list[float]]]:
     """(accuracy, each question's choice log-likelihoods) computed here from the model."""
-    from lmsys.interop.exports import load_export
+    from lmsys.interop.export_dir import load_export
 
     model, tok, _ = load_export(export)
     scores, correct = [], []
@@ -187,7 +187,7 @@ def test_rolling_perplexity_equals_lmsys_eval(harness_runs):
 
 def test_generation_equals_lmsys_generate(harness_runs, hf_export):
     from lmsys.inference.generation import generate
-    from lmsys.interop.exports import load_export
+    from lmsys.interop.export_dir import load_export
 
     root, _ = harness_runs
     _, samples = _lm_eval_output(root / "lmsys")
@@ -241,7 +241,7 @@ def _requests(kind: str, args: list[tuple]) -> list[Instance]:
 def test_bos_shift_models_roll_like_lmsys_eval(tmp_path, tokenizer_path):
     """seed_trax (bos_shift): every window starts with bos_shift_id, as in lmsys-eval."""
     from lmsys.inference.evaluation import evaluate_text
-    from lmsys.interop.exports import write_export
+    from lmsys.interop.export_dir import write_export
     from lmsys.model.transformer import Transformer
 
     cfg = small_config("seed_trax")
@@ -341,7 +341,7 @@ def test_lm_evals_argument_mistakes_are_one_line(random_export, capfd):
 def test_the_results_table_has_lm_evals_headers():
     """lm_eval's results table as both commands print it: its own column names (pytablewriter
     0.38 printed `| A | B | C |...` instead)."""
-    from lmsys.inference.harness import results_table
+    from lmsys.inference.lm_eval_model import results_table
 
     results = {
         "results": {"my_task": {"alias": "my_task", "acc,none": 0.5, "acc_stderr,none": 0.1}},

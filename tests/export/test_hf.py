@@ -11,7 +11,7 @@ import torch
 
 from lmsys.core.config import compose_model
 from lmsys.core.errors import ExportError
-from lmsys.interop.exports import export_checkpoint, load_export, write_export
+from lmsys.interop.export_dir import export_checkpoint, load_export, write_export
 from lmsys.interop.hf import gpt2_difference, hf_config
 from lmsys.model.transformer import Transformer
 from tests.export.conftest import VOCAB, small_config

@@ -19,7 +19,7 @@ import torch
 
 from lmsys.core.errors import ExportError
 from lmsys.data.tokenizer import Tokenizer
-from lmsys.interop.exports import load_export, write_export
+from lmsys.interop.export_dir import load_export, write_export
 from lmsys.interop.hf_tokenizer import check_same_tokens, probe_texts
 from lmsys.model.transformer import Transformer
 from tests.data.conftest import UNICODE_SAMPLES

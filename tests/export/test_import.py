@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lmsys.data.tokenizer import Tokenizer
-from lmsys.interop.exports import export_checkpoint, import_checkpoint, load_export
+from lmsys.interop.export_dir import export_checkpoint, import_checkpoint, load_export
 from tests.data.conftest import UNICODE_SAMPLES
 from tests.export.conftest import BPE_VOCAB, SEQ, assert_one_line_error, run_clis
 from tests.stdlib_text import module_docstrings

@@ -43,7 +43,7 @@ def _records(run_dir, kind: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_export_of_the_run_directory(main_job, trained_run):
-    from lmsys.interop.exports import load_export
+    from lmsys.interop.export_dir import load_export
 
     out = trained_run / "export"
     assert main_job["export"].stdout.startswith(f"lmsys-export: wrote {out} (lmsys format, fp32")
@@ -80,7 +80,7 @@ def test_a_sample_from_the_export_and_from_the_checkpoint(main_job, trained_run,
 @pytest.mark.slow
 def test_eval_over_every_checkpoint_of_the_run(main_job, trained_run, data_dir, tmp_path, capsys):
     from lmsys.inference.evaluation import evaluate_tokens, split_tokens
-    from lmsys.interop.exports import load_export
+    from lmsys.interop.export_dir import load_export
 
     code, out, err = in_process("lmsys.evaluate", [f"run={trained_run}", f"json={tmp_path / 'eval.json'}",
                                                    "max_tokens=2000"], capsys)  # fmt: skip

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from lmsys.core.errors import ConfigError
-from lmsys.interop.exports import initial_model
+from lmsys.interop.export_dir import initial_model
 from tests.export.conftest import small_config
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from lmsys.engine.checkpoint import resolve
-from lmsys.interop.exports import export_provenance
+from lmsys.interop.export_dir import export_provenance
 from lmsys.model.weights import read_safetensors
 from tests.export.conftest import SEQ, SHORT_SEQ
 

@@ -13,7 +13,7 @@ import subprocess
 import pytest
 import torch
 
-from lmsys.interop.exports import write_export
+from lmsys.interop.export_dir import write_export
 from lmsys.model.transformer import Transformer
 from tests.export.conftest import REPO_ROOT, child_env, cli_command, run_side_by_side, small_config
 

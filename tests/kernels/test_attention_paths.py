@@ -144,3 +144,31 @@ def test_tiling_shapes_the_descriptors():
     _, dkdv, _ = fa.backward_launches(do, q, k, v, o, lse, lse, q, k, v, False, 0.1, 90)
     dkdv.kwargs_for(triton.Config({"BLOCK_M": 32, "BLOCK_N": 64}, num_warps=4, num_stages=2))
     assert dkdv.named_args()["Q_DESC"].block_shape == [1, 1, 32, 64]
+
+
+def test_tma_path_with_grouped_heads_and_documents(sm90):
+    """The descriptors of grouped key/value heads (their own head coordinate) and the document
+    bounds' tile ranges, whose first key or query block need not be the first of the row."""
+    from kernels.reference import document_attention_reference, repeat_kv
+
+    g = torch.Generator().manual_seed(15)
+    make = lambda *shape: torch.randn(*shape, generator=g).to(torch.float16)
+    q, k, v = (make(2, heads, 70, d).requires_grad_() for heads, d in ((4, 32), (2, 32), (2, 16)))
+    do = make(2, 4, 70, 16)
+    documents = torch.tensor([[0] * 40 + [1] + [2] * 29, [3] * 3 + [4] * 67])
+    out = flash_attention(q, k, v, causal=True, documents=documents)
+    out.backward(do)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = document_attention_reference(q64, repeat_kv(k64, 2), repeat_kv(v64, 2), documents, True)
+    ref.backward(do.double())
+    for name, ours, theirs in (
+        ("o", out, ref),
+        ("dq", q.grad, q64.grad),
+        ("dk", k.grad, k64.grad),
+        ("dv", v.grad, v64.grad),
+    ):
+        bound = 5e-3 * max(1.0, theirs.abs().max().item())
+        torch.testing.assert_close(
+            ours.double(), theirs, atol=bound, rtol=5e-3, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    assert sm90 and all(sm90), "every launch should have taken the descriptor path"

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from kernels import runtime
 from kernels.flash_attention import (
     MAX_HEAD_DIM,
     attention_reference,
@@ -146,12 +147,12 @@ def test_matches_reference(case, dtype_tol):
 @pytest.mark.parametrize("block_m,block_n", [(16, 16), (16, 32), (32, 16)])
 def test_multi_block_tilings(monkeypatch, block_m, block_n, causal):
     """Unequal and small blocks, so a short sequence crosses diagonal, full and tail blocks."""
-    from kernels.flash_attention import INTERPRETER_BLOCKS
+    from kernels.flash_attention import INTERPRETER_TILES
 
     tiling = {"BLOCK_M": block_m, "BLOCK_N": block_n}
     for kind in ("fwd", "dkdv", "dq"):
-        monkeypatch.setitem(INTERPRETER_BLOCKS, kind, tiling)
-    monkeypatch.setitem(INTERPRETER_BLOCKS, "preprocess", {"BLOCK_M": block_m})
+        monkeypatch.setitem(INTERPRETER_TILES, kind, tiling)
+    monkeypatch.setitem(INTERPRETER_TILES, "preprocess", {"BLOCK_M": block_m})
     q, k, v, do = _inputs(1, 1, 70, 40, 24, torch.float32, seed=1)
     _check_against_reference(q, k, v, do, causal, None, 1e-5, 1e-5)
 
@@ -168,7 +169,7 @@ def test_every_gpu_config(monkeypatch, kind):
     monkeypatch.setattr(fa, {"fwd": "_attn_fwd", "dkdv": "_attn_bwd_dkdv", "dq": "_attn_bwd_dq"}[kind], raw)
     for block_m, block_n, warps, stages in configs:
         meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
-        monkeypatch.setattr(fa, "_blocks", lambda k, meta=meta: meta if k == kind else {})
+        monkeypatch.setattr(fa, "_fixed_tiling", lambda k, meta=meta: meta if k == kind else {})
         for causal in (True, False):
             q, k, v, do = _inputs(2, 2, 300, 64, 96, torch.float16)
             try:
@@ -197,7 +198,8 @@ def test_autotune_pruner(monkeypatch, kind, dtype, d_qk, d_vo, t_bucket):
     import triton
 
     fa = _module()
-    monkeypatch.setattr(fa, "_max_shared_memory", lambda index: 227 * 1024)  # H100
+    h100 = runtime.DeviceLimits(capability=90, sm_count=132, smem_per_block=227 * 1024)
+    monkeypatch.setattr(runtime, "device_limits", lambda device: h100)
     table = {"fwd": fa._FWD_CONFIGS, "dkdv": fa._DKDV_CONFIGS, "dq": fa._DQ_CONFIGS}[kind]
     configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in table]
     meta = fa._head_meta(d_qk, d_vo, dtype)
@@ -323,7 +325,7 @@ def test_bad_scale(scale, error):
 
 
 def test_cpu_tensors_without_interpreter(monkeypatch):
-    monkeypatch.setattr(_module(), "_INTERPRET", False)
+    monkeypatch.setattr(runtime, "interpreting", lambda: False)
     cpu = torch.randn(1, 1, 4, 16)
     with pytest.raises(ValueError, match="Triton kernels need CUDA tensors, or TRITON_INTERPRET=1"):
         flash_attention(cpu, cpu, cpu)

@@ -234,9 +234,9 @@ def test_no_logits_beyond_one_chunk_and_none_without_gradients():
     """The scratch of a chunk is (C, V); without gradients the kernels store no logits at all and
     only the logits and log-sum-exp kernels run."""
     h, weight, targets, w, b = _inputs(37, 48, 97, torch.float32)
-    buffers = chunk_buffers(16, 48, 97, torch.float32, DEVICE, True, grads=True, sm_count=None)
+    buffers = chunk_buffers(16, 48, 97, torch.float32, DEVICE, True, grads=True, gpu=None)
     assert tuple(buffers.logits.shape) == (16, 97) and buffers.logits.stride(0) == 112  # rows 16-aligned
-    eval_buffers = chunk_buffers(16, 48, 97, torch.float32, DEVICE, False, grads=False, sm_count=None)
+    eval_buffers = chunk_buffers(16, 48, 97, torch.float32, DEVICE, False, grads=False, gpu=None)
     assert eval_buffers.logits is None and eval_buffers.dh_part is None
     per_token = torch.zeros(16, device=DEVICE)
     rows = (h[:16], weight, b, targets[:16], w[:16], per_token)

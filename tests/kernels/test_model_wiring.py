@@ -60,11 +60,11 @@ def _pair(preset: str, extra: list[str]) -> tuple[Transformer, Transformer]:
     return models[0], models[1]
 
 
-def _count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Counter:
+def _count_kernel_calls(monkeypatch: pytest.MonkeyPatch, modules: dict[str, str] = KERNEL_MODULES) -> Counter:
     """Wrap the kernels' entry points in their modules (lmsys.model.ops imports them from there at call
     time)."""
     calls: Counter = Counter()
-    for name, module_name in KERNEL_MODULES.items():
+    for name, module_name in modules.items():
         module = importlib.import_module(module_name)
         original = getattr(module, name)
 
@@ -100,6 +100,42 @@ def test_triton_model_equals_torch_model(preset: str, monkeypatch: pytest.Monkey
         expected = grads_ref[name].grad
         # fp32 rounding relative to the tensor's largest entry (k biases get exactly-zero gradients
         # in exact arithmetic: softmax ignores a per-row shift, hence the floor). Observed <= 5e-7.
+        atol = 1e-5 * max(expected.abs().max().item(), 1e-2)
+        torch.testing.assert_close(p.grad, expected, atol=atol, rtol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
+
+
+LLAMA_KERNELS = {  # the Llama family's entry points: (name in its module, module)
+    "flash_attention": "kernels.flash_attention",
+    "rms_norm": "kernels.layer_norm",
+    "add_rms_norm": "kernels.layer_norm",
+    "rotary": "kernels.rotary",
+    "gated": "kernels.gated",
+}
+
+
+def test_llama_family_triton_model_equals_torch_model(monkeypatch) -> None:
+    """Qwen3's function (the Llama family with QK-norm), multi-query: RMS norm (blocks, final and
+    QK-norm), the fused add + RMS norm, rotary, SwiGLU and grouped-query attention all run their
+    kernels under kernels=triton, and the model computes what kernels=torch does."""
+    extra = ["attention.d_qk=16", "attention.d_vo=16", "attention.n_kv_heads=1", "loss_impl=chunked"]
+    reference, fused = _pair("qwen3_0_6b", extra)
+    tokens = torch.randint(0, 37, (2, 19), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    calls = _count_kernel_calls(monkeypatch, LLAMA_KERNELS)
+    loss_ref = reference.loss(tokens)
+    assert not calls, dict(calls)
+    loss_fused = fused.loss(tokens)
+    layers = fused.cfg.n_layers
+    qk_norms = 2 * layers if fused.cfg.attention.qk_norm else 0
+    assert calls == {
+        "flash_attention": layers, "rotary": layers, "gated": layers,
+        "rms_norm": layers + 1 + qk_norms, "add_rms_norm": layers,  # norm1 each block, the final norm
+    }, dict(calls)  # fmt: skip
+    loss_ref.backward()
+    loss_fused.backward()
+    torch.testing.assert_close(loss_fused, loss_ref, atol=2e-6, rtol=1e-5)
+    grads_ref = dict(reference.named_parameters())
+    for name, p in fused.named_parameters():
+        expected = grads_ref[name].grad
         atol = 1e-5 * max(expected.abs().max().item(), 1e-2)
         torch.testing.assert_close(p.grad, expected, atol=atol, rtol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
 
@@ -160,6 +196,7 @@ def test_prepare_kernels_selects_the_interpreter_before_triton_is_imported():
         """
         import os, sys
         import torch
+        from kernels import runtime
         from lmsys.model import ops
         assert "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ
         ops.prepare_kernels("triton", torch.device("cpu"))
@@ -167,7 +204,7 @@ def test_prepare_kernels_selects_the_interpreter_before_triton_is_imported():
         """,
         _TRITON_VS_TORCH,
         """
-        assert ops._imported_triton_mode() == "interpreter"
+        assert runtime.triton_mode() == "interpreter"
         ops.prepare_kernels("triton", torch.device("cpu"))  # again: no second warning
         """,
     )
@@ -188,9 +225,10 @@ def test_prepare_kernels_after_a_compiled_triton_import_is_one_clear_error():
         import os, sys
         import torch
         import triton  # compiled mode: TRITON_INTERPRET is unset
+        from kernels import runtime
         from lmsys.model import ops
         from lmsys.core.errors import ConfigError
-        assert ops._imported_triton_mode() == "compiled"
+        assert runtime.triton_mode() == "compiled"
         for kernels, device in [("auto", "cpu"), ("torch", "cpu"), ("triton", "cuda")]:
             ops.prepare_kernels(kernels, device)  # nothing to do, nothing raised
         assert "TRITON_INTERPRET" not in os.environ
@@ -226,6 +264,7 @@ def test_prepare_kernels_warns_of_the_interpreter_on_cuda(monkeypatch, capsys):
 
 def test_prepare_kernels_in_this_session():
     """Here triton was imported as conftest chose: interpreter on CPU, compiled with CUDA."""
+    from kernels import runtime
     from lmsys.core.errors import ConfigError
     from lmsys.model import ops
 
@@ -233,13 +272,13 @@ def test_prepare_kernels_in_this_session():
         ops.prepare_kernels(choice, "cpu")
     ops.prepare_kernels("triton", "cuda")
     if DEVICE == "cpu":
-        assert ops._imported_triton_mode() == "interpreter"
+        assert runtime.triton_mode() == "interpreter"
         ops.prepare_kernels("triton", "cpu")
         ops.prepare_kernels("triton", "cpu", torch.float16)
         with pytest.raises(ConfigError, match="cannot compute bf16 attention"):
             ops.prepare_kernels("triton", "cpu", torch.bfloat16)
     else:
-        assert ops._imported_triton_mode() == "compiled"
+        assert runtime.triton_mode() == "compiled"
         with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
             ops.prepare_kernels("triton", "cpu")
 
@@ -269,6 +308,7 @@ def test_fused_loss_on_cpu_selects_the_interpreter_before_triton_is_imported():
         """
         import os, sys
         import torch
+        from kernels import runtime
         from lmsys.model import ops
         from lmsys.core.errors import ConfigError
         assert "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ
@@ -276,7 +316,7 @@ def test_fused_loss_on_cpu_selects_the_interpreter_before_triton_is_imported():
         _FUSED_LOSS,
         _FUSED_LOSS,  # again: no second warning
         """
-        assert os.environ["TRITON_INTERPRET"] == "1" and ops._imported_triton_mode() == "interpreter"
+        assert os.environ["TRITON_INTERPRET"] == "1" and runtime.triton_mode() == "interpreter"
         """,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -60,7 +60,7 @@ def hf_family(tmp_path_factory, family_tokenizer, transformers) -> dict[str, Pat
 @pytest.fixture(scope="session")
 def family_imports(tmp_path_factory, hf_family) -> dict[str, Path]:
     """model_type -> lmsys-import's export (lmsys format) of hf_family[model_type]."""
-    from lmsys.interop.exports import import_checkpoint
+    from lmsys.interop.export_dir import import_checkpoint
 
     root = tmp_path_factory.mktemp("family_imports")
     return {t: import_checkpoint(d, root / d.name) for t, d in hf_family.items()}

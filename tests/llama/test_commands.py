@@ -14,8 +14,8 @@ from lm_eval.api.instance import Instance
 
 from lmsys.inference.evaluation import evaluate_text
 from lmsys.inference.generation import generate
-from lmsys.inference.harness import LmsysLM
-from lmsys.interop.exports import load_export
+from lmsys.inference.lm_eval_model import LmsysLM
+from lmsys.interop.export_dir import load_export
 from tests.export.conftest import run_clis
 from tests.llama.conftest import PIECES
 

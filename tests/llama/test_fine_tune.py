@@ -191,7 +191,7 @@ def test_compiled_training_gives_the_eager_losses(journey):
 
 
 def test_the_run_trains_the_exports_own_model(journey):
-    from lmsys.interop.exports import load_export, model_config_dict
+    from lmsys.interop.export_dir import load_export, model_config_dict
 
     imported = load_export(journey.cwd / "exports" / "qwen3-0.6b")[0]
     run = journey.cwd / "runs" / "qwen3-cpt"
@@ -236,7 +236,7 @@ def test_muon_trains_the_familys_matrices(journey):
 
 @torch.no_grad()
 def test_the_export_is_a_qwen3_that_transformers_and_lm_eval_run(journey, transformers):
-    from lmsys.interop.exports import load_model
+    from lmsys.interop.export_dir import load_model
 
     out = journey.cwd / "exports" / "qwen3-cpt-hf"
     config = json.loads((out / "config.json").read_text())

@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from lmsys.core.config import compose_model
 from lmsys.core.errors import ExportError
-from lmsys.interop.exports import export_checkpoint, import_checkpoint, load_export, write_export
+from lmsys.interop.export_dir import export_checkpoint, import_checkpoint, load_export, write_export
 from lmsys.model.transformer import Transformer
 from tests.export.conftest import assert_one_line_error, run_clis
 from tests.hf_files import moved_off_init

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lmsys.inference.generation import generate
-from lmsys.interop.exports import load_export
+from lmsys.interop.export_dir import load_export
 from tests.llama.conftest import CONTEXT, FAMILIES, PIECES
 
 EOS = PIECES - 1

@@ -16,8 +16,10 @@ import pytest
 import torch
 
 from kernels.flash_attention import flash_attention_fwd
-from kernels.layer_norm import add_layer_norm_fwd, layer_norm_fwd
+from kernels.gated import gated_fwd
+from kernels.layer_norm import add_layer_norm_fwd, add_rms_norm_fwd, layer_norm_fwd, rms_norm_fwd
 from kernels.linear_cross_entropy import linear_cross_entropy_fwd
+from kernels.rotary import rotary_fwd
 from lmsys.core.config import compile_choice, compose, compose_model
 from lmsys.core.errors import ConfigError
 from lmsys.inference.generation import generate
@@ -73,6 +75,30 @@ def test_custom_ops_pass_opcheck() -> None:
     torch.library.opcheck(linear_cross_entropy_fwd, unweighted)
 
 
+def test_the_llama_family_ops_pass_opcheck() -> None:
+    """RMS norm, add + RMS norm, rotary, the gated activation, and flash attention with grouped
+    key/value heads and with packed documents."""
+    gen = torch.Generator().manual_seed(1)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(DEVICE).requires_grad_()
+
+    x, residual, weight = rand(3, 5, 32), rand(3, 5, 32), rand(32)
+    torch.library.opcheck(rms_norm_fwd, (x, weight, 1e-6))
+    torch.library.opcheck(rms_norm_fwd, (x, None, 1e-6))
+    torch.library.opcheck(add_rms_norm_fwd, (x, residual, weight, 1e-6))
+    q, k = rand(2, 5, 4, 16).transpose(1, 2), rand(2, 2, 5, 16)  # (B, H, T, d), (B, Hkv, T, d)
+    angles = torch.rand(5, 8, generator=gen).repeat(1, 2).to(DEVICE)  # (T, d)
+    torch.library.opcheck(rotary_fwd, (q, k, angles.cos(), angles.sin()))
+    for activation in ("silu", "gelu", "gelu_tanh"):
+        torch.library.opcheck(gated_fwd, (rand(3, 7), rand(3, 7), activation))
+    q, k, v = rand(1, 4, 16, 16), rand(1, 2, 16, 16), rand(1, 2, 16, 8)
+    torch.library.opcheck(flash_attention_fwd, (q, k, v, True, 0.25))
+    documents = torch.tensor([[0] * 5 + [1] + [4] * 10]).to(DEVICE)  # (B, T) packed documents
+    for causal in (True, False):
+        torch.library.opcheck(flash_attention_fwd, (q, k, v, causal, 0.25, documents))
+
+
 def _explain(fn, *args):
     torch._dynamo.reset()
     return torch._dynamo.explain(fn)(*args)
@@ -96,6 +122,22 @@ def test_the_triton_kernels_trace_without_a_graph_break() -> None:
     ops = {str(node.target) for graph in out.graphs for node in graph.graph.nodes}
     for op in ("flash_attention_fwd", "layer_norm_fwd", "linear_cross_entropy_fwd"):
         assert any(op in target for target in ops), (op, ops)
+
+
+def test_the_llama_family_kernels_trace_without_a_graph_break() -> None:
+    """model.kernels=triton on a Llama-family model with QK-norm and grouped-query attention: RMS
+    norm, add + RMS norm, rotary, the gated activation and attention are the custom ops, with
+    packed documents too (the attention op takes them)."""
+    extra = ["kernels=triton", "attention.d_qk=16", "attention.d_vo=16", "attention.n_kv_heads=1"]
+    model = small_model("qwen3_0_6b", extra)
+    tokens, weights = batch()
+    documents = torch.tensor([[0] * 4 + [1] * 13, [2] * 9 + [3] + [5] * 7]).to(DEVICE)  # (B, S)
+    for args in ((tokens, weights), (tokens, weights, documents)):
+        out = _explain(model.loss, *args)
+        assert out.graph_break_count == 0 and out.graph_count == 1, out.break_reasons
+        ops = {str(node.target) for graph in out.graphs for node in graph.graph.nodes}
+        for op in ("flash_attention_fwd", "rms_norm_fwd", "add_rms_norm_fwd", "rotary_fwd", "gated_fwd"):
+            assert any(op in target for target in ops), (op, ops)
 
 
 def _loss_and_grads(model, loss_fn, tokens, weights):

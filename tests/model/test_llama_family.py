@@ -218,8 +218,8 @@ def _loss_and_grads(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Ten
 
 @pytest.mark.parametrize("kernels", ["auto", "triton"])
 def test_every_kernels_setting_computes_the_torch_function(kernels):
-    """On CPU, auto is torch; triton runs flash attention in the interpreter with the key/value
-    heads repeated for their groups (RMS norm, rotary and the gated activation: torch references)."""
+    """On CPU, auto is torch; triton runs the family's kernels in the interpreter (flash attention
+    with grouped key/value heads, RMS norm, rotary and the gated activation)."""
     want = _loss_and_grads(family_model([*FULL, "kernels=torch"], torch.float32), ids())
     got = _loss_and_grads(family_model([*FULL, f"kernels={kernels}"], torch.float32), ids())
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)

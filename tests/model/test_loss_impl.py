@@ -1,5 +1,5 @@
 """model.loss_impl: the fused kernel, the chunked torch path, torch's own F.linear_cross_entropy
-(model.loss_impl=torch, the baseline of `python -m kernels.bench ce`) and the full logits path compute the
+(model.loss_impl=torch, the baseline of `python -m tools.bench ce`) and the full logits path compute the
 same loss and gradients for every preset (bos_shift, tied and untied embeddings, the unembedding
 bias), `model(ids)` still gives logits, and `auto` picks what it says.
 

@@ -46,3 +46,24 @@ def test_a_broken_kernel_is_named_falls_back_under_auto_and_is_an_error_under_tr
         "kernel self-check: the Triton kernel layer_norm on cpu (float32): forward output differs by 1 "
         "(tolerance 0.0001 of the largest value); it falls back to its torch reference for this run"
     ]
+
+
+def test_the_llama_family_kernels_are_checked():
+    """A Llama-family run with QK-norm and grouped-query attention checks the RMS norms, rotary
+    and the gated activation too, attention with its grouped heads, and each matches."""
+    model = compose(
+        [
+            "model=qwen3_0_6b", "model.vocab_size=64", "model.d_model=32", "model.n_heads=4",
+            "model.attention.d_qk=16", "model.attention.d_vo=16", "model.attention.n_kv_heads=2",
+            "model.ffn.d_ff=48", "model.max_seq_len=32", "model.kernels=triton", "model.loss_impl=chunked",
+        ]
+    ).model  # fmt: skip
+    cpu = torch.device("cpu")
+    names = kernels_used(model, cpu, torch.float32)
+    assert names == ["attention", "rms_norm", "add_rms_norm", "rotary", "gated"]
+    check = check_kernels(model, 17, cpu, torch.float32)
+    assert check.passed == names and not check.failed, check.failed
+    packed = check_kernels(model, 17, cpu, torch.float32, kernels=["attention"], documents=True)
+    assert packed.passed == ["attention"] and not packed.failed, packed.failed
+    broken = check_kernels(model, 17, cpu, torch.float32, "attention", ["attention"], documents=True)
+    assert broken.failed[0].error == "forward output differs by 1"

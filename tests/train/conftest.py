@@ -296,6 +296,19 @@ LAUNCHES["muon1"] = Launch(
     ("1proc-muon-zero2", "1proc-muon-zero3"),
     "1proc-muon-zero${deepspeed.stage}",
 )
+# data.document_masking=true (each packed document its own sequence) on 1 process, and on 2 ranks
+# at ZeRO-2 and ZeRO-3 with activation checkpointing, one sweep (tests/train/test_document_masking.py)
+DOCUMENTS = ("data.document_masking=true",)
+LAUNCHES["documents1"] = Launch(
+    1, ("trainer.micro_batch_size=8", *DOCUMENTS), ("1proc-documents",), "1proc-documents"
+)
+LAUNCHES["documents"] = Launch(
+    2,
+    ("-m", "deepspeed=zero2,zero3", "trainer.micro_batch_size=4", "deepspeed.activation_checkpointing=true",
+     *DOCUMENTS),
+    ("2proc-zero2-documents", "2proc-zero3-documents"),
+    "2proc-zero${deepspeed.stage}-documents",
+)  # fmt: skip
 CASES = {case: launch for launch, spec in LAUNCHES.items() for case in spec.cases}
 
 

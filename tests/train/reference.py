@@ -44,6 +44,7 @@ def plain_losses(
             world_size=1,
             seed=t.seed,
             mask_doc_boundaries=cfg.data.mask_doc_boundaries,
+            document_masking=cfg.data.document_masking,
         )
         losses = {}
         for step in range(1, t.max_steps + 1):
@@ -52,7 +53,7 @@ def plain_losses(
                 continue
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, o, t.max_steps)
-            loss = model.loss(batch.tokens, batch.weights)
+            loss = model.loss(batch.tokens, batch.weights, batch.documents)
             loss.backward()
             if o.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)

@@ -8,14 +8,18 @@ run); the terminal mode is the Console with a terminal forced, since a test has 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from lmsys.core import rundir
 from lmsys.core.config import OptimConfig
 from lmsys.core.console import Console, duration
-from lmsys.core.rundir import EvalRecord, TrainRecord
+from lmsys.core.rundir import EvalRecord, MetricsFile, TrainRecord
 from lmsys.engine.zero import lr_at
+from lmsys.training.plots import loss_figure, plot_losses, resume_steps
+from lmsys.training.reporter import Reporter
 from tests.train.conftest import MAX_STEPS, copy_run, run_train
 
 STEP_LINE = re.compile(
@@ -121,3 +125,29 @@ def test_sweep_jobs_get_a_header(runs):
     for number, line in enumerate(headers):
         assert line.startswith(f"lmsys-train: sweep job {number}: ")
         assert f"deepspeed=zero{number}" in line and line.endswith(f"/2proc-zero{number}")
+
+
+def test_the_done_line_counts_the_skipped_updates(capsys, tmp_path):
+    reporter = Reporter(Console("lmsys-train", terminal=False), log_interval=1, plot=False)
+    with reporter.steps(1, 4):
+        for step in range(1, 5):
+            reporter.step_done(replace(report(step), skipped=step in (2, 4)))
+    reporter.finish((2.5, 2.5, None), 0, 4, 8.0, tmp_path, None)
+    done = next(line for line in capsys.readouterr().out.splitlines() if "done:" in line)
+    assert done.startswith("lmsys-train: done: steps 1..4 in 8.0 s, 2 updates skipped (steps 2, 4), loss")
+
+
+def test_loss_png_marks_where_the_run_resumed(tmp_path):
+    """Two launches, the second resumed from step 3's checkpoint: a dashed line at step 3."""
+    metrics = MetricsFile(tmp_path, resumed_step=0)
+    for step in range(1, 6):
+        metrics.write(report(step))
+    metrics.close()
+    for resumed in (None, tmp_path / "checkpoints" / "step_0000003"):
+        launch = rundir.Launch(resumed, None, 0, 1, "cpu")
+        rundir.record_launch(tmp_path, "{}\n", launch, None)
+    assert resume_steps(tmp_path) == [3]
+    figure = loss_figure(tmp_path)
+    vertical = [line for line in figure.axes[0].lines if list(line.get_xdata()) == [3, 3]]
+    assert len(vertical) == 1 and vertical[0].get_label() == "resumed"
+    assert plot_losses(tmp_path).read_bytes()[:4] == b"\x89PNG"

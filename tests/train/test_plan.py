@@ -14,10 +14,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lmsys.bench.tensor_trace import TensorPeak
 from lmsys.core.config import compose
 from lmsys.core.devices import GPUS, device_spec
-from lmsys.interop.exports import write_export
+from lmsys.interop.export_dir import write_export
 from lmsys.model.transformer import Transformer
 from lmsys.planning import trace as traced
 from lmsys.planning.plan import plan_launch
@@ -25,6 +24,7 @@ from lmsys.planning.report import evaluation_warning, startup_line
 from lmsys.planning.zero import step_memory
 from lmsys.training.peak_memory import Measured, diagnoses_run, diagnosis, measured_peak_bytes, memory_line
 from tests.train.conftest import COMMON, REPO_ROOT, SEQ, child_env, run_train
+from tools.bench.plan.tensor_trace import TensorPeak
 
 SMALL = [o for o in COMMON if o.startswith("model.")] + [
     "trainer.global_batch_tokens=256",
@@ -318,7 +318,7 @@ def test_the_tensor_trace_counts_what_is_alive_from_its_start():
 
 THREAD_FREED = """
 import json, threading, torch
-from lmsys.bench.tensor_trace import TensorPeak
+from tools.bench.plan.tensor_trace import TensorPeak
 mib = 2**20
 trace = TensorPeak()
 kept = torch.empty(2 * mib)  # 8 MiB
