@@ -14,6 +14,8 @@ NaN steps) exits 1.
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import re
 import sys
@@ -123,9 +125,6 @@ def end_worker(status: int) -> NoReturn:
     a run that finished and saved. CI saw exactly that after a complete 2-rank run. Everything the
     run owns is closed by then (checkpoints, W&B, the run record); the exit handlers still run
     (a sweep's summary), the streams are flushed, then the process ends with its status."""
-    import atexit
-    import logging
-
     atexit._run_exitfuncs()
     logging.shutdown()
     sys.stdout.flush()
