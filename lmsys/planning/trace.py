@@ -170,6 +170,7 @@ def trace_step(cfg: Config, cuda: bool, precision: str, micro_batch: int) -> Ste
         repr(cfg.model),
         cfg.data.seq_len,
         cfg.deepspeed.activation_checkpointing,
+        cfg.data.document_masking,
         cuda,
         precision,
         micro_batch,
@@ -204,7 +205,9 @@ def _trace(cfg: Config, cuda: bool, precision: str, micro_batch: int) -> StepTra
         for mode in traced:
             stack.enter_context(mode)
         tokens = torch.zeros(shape, dtype=torch.long, device=device)  # (B, S), as the loader's
-        loss = model.loss(tokens, torch.ones(shape, dtype=torch.float32, device=device))
+        # packed rows carry their documents (B, S) to every block, as the loader's batches do
+        documents = torch.zeros(shape, dtype=torch.long, device=device) if cfg.data.document_masking else None
+        loss = model.loss(tokens, torch.ones(shape, dtype=torch.float32, device=device), documents)
         counter.mark()  # what the forward leaves for the backward
         backward_start = len(counter.points)
         loss.backward()

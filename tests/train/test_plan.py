@@ -44,11 +44,23 @@ def _summary(live, formed, fetched, backward_start) -> tuple:
     return max(forward), forward[-1], max(live), live[-1], dedup(formed), dedup(fetched)
 
 
-def test_the_trace_is_the_steps_own_allocations():
+LLAMA_DOCUMENTS = [
+    "model.positions.kind=rotary",
+    "model.norm.formula=rms",
+    "model.attention.n_kv_heads=1",
+    "model.ffn.gated=true",
+    "model.ffn.activation=silu",
+    "data.document_masking=true",
+]
+
+
+@pytest.mark.parametrize("family", [[], LLAMA_DOCUMENTS], ids=["gpt", "llama-documents"])
+def test_the_trace_is_the_steps_own_allocations(family):
     """The fake-tensor trace of a step against the same counter over the same step on real CPU
     tensors: the same peaks, the same bytes alive when the backward starts and ends, the gradients
-    formed and the parameters used in the same order."""
-    cfg = compose([*SMALL, "deepspeed.activation_checkpointing=true"])
+    formed and the parameters used in the same order; for the GPT block and for the Llama family's
+    (rotary, RMS norm, grouped-query heads, SwiGLU) on packed documents."""
+    cfg = compose([*SMALL, *family, "deepspeed.activation_checkpointing=true"])
     fake = traced.trace_step(cfg, False, "fp32", 2)
     model = Transformer(cfg.model)
     traced.apply_activation_checkpointing(model)
@@ -59,7 +71,8 @@ def test_the_trace_is_the_steps_own_allocations():
     shape = (2, SEQ + 1)
     with counter:
         tokens = torch.zeros(shape, dtype=torch.long)  # as the trace's
-        loss = model.loss(tokens, torch.ones(shape))
+        documents = torch.zeros(shape, dtype=torch.long) if cfg.data.document_masking else None
+        loss = model.loss(tokens, torch.ones(shape), documents)
         counter.mark()
         start = len(counter.points)
         loss.backward()
@@ -164,6 +177,20 @@ def test_suggestions_lower_the_peak_and_come_lowest_first():
     assert peaks == sorted(peaks) and max(peaks) < tight.peak_bytes
     changes = [s.change for s in tight.suggestions]
     assert "trainer.micro_batch_size=4 (accumulation 2)" in changes and "model.loss_impl=chunked" in changes
+
+
+@pytest.mark.parametrize("preset, n_params", [("llama3_2_1b", 1_235_814_400), ("qwen3_0_6b", 596_049_920)])
+def test_the_llama_family_is_planned_at_its_published_size(preset, n_params):
+    """A Llama-family preset at full size, traced on fake tensors for 8 H100s: the parameters of the
+    released checkpoint (its preset's header), and grouped-query heads planned as such: the same
+    model with as many key/value heads as query heads has more parameters and a higher peak."""
+    overrides = [f"model={preset}", "trainer=gpt2", "data.seq_len=2048", "trainer.micro_batch_size=4"]
+    device = device_spec("h100")
+    plan = plan_launch(compose(overrides), 8, device, suggest=False)
+    assert plan.n_params == n_params and plan.fits and plan.step_time_s > 0
+    mha = [*overrides, f"model.attention.n_kv_heads={compose(overrides).model.n_heads}"]
+    full = plan_launch(compose(mha), 8, device, suggest=False)
+    assert full.n_params > n_params and full.peak_bytes > plan.peak_bytes
 
 
 def test_a_models_export_is_planned_as_the_exports_model(prepared_data, tmp_path):
