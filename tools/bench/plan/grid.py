@@ -3,7 +3,8 @@
 Runs a grid of real short CPU trainings (`python -m lmsys.train`'s training, one process per rank
 under `torchrun --nproc_per_node=2` for 2 ranks; presets tiny, llama_tiny, seed_trax, seed_postln,
 seed_compact, gpt2_124m with vocabularies of at most 8192; ZeRO 0-3 and 3 with offload; micro-batches
-1-8; activation checkpointing on and off; loss_impl full and chunked; accumulation 2) and prints,
+1-8; activation checkpointing on and off; loss_impl full and chunked; packed documents; accumulation
+2) and prints,
 per row, the plan's tensors per rank (lmsys-plan on this machine's CPU) beside the peak of the
 tensors the run allocated (`TensorPeak`, the largest rank's, through its second step), with the
 error, the worst and the median. held_out=true runs five rows of smollm2_135m, a preset in no grid
@@ -70,12 +71,14 @@ class Row:
     checkpointing: bool = False
     loss_impl: str = "chunked"
     offload: bool = False
+    documents: bool = False  # packed documents (data.document_masking)
 
     @property
     def name(self) -> str:
         stage = f"z{self.stage}{'off' if self.offload else ''}"
         bits = [self.preset, f"w{self.world}", stage, f"mb{self.micro}", f"T{self.seq}", self.loss_impl]
-        return "-".join(bits + (["ckpt"] if self.checkpointing else []))
+        bits += ["ckpt"] if self.checkpointing else []
+        return "-".join(bits + (["docs"] if self.documents else []))
 
     def overrides(self, data_root: Path) -> list[str]:
         vocab, extra = SHRINK[self.preset]
@@ -87,6 +90,7 @@ class Row:
             f"deepspeed={'zero3_offload' if self.offload else f'zero{self.stage}'}",
             f"deepspeed.activation_checkpointing={str(self.checkpointing).lower()}",
             f"model.loss_impl={self.loss_impl}",
+            f"data.document_masking={str(self.documents).lower()}",
             f"trainer.micro_batch_size={self.micro}",
             f"trainer.global_batch_tokens={self.micro * self.world * self.seq * 2}",  # accumulation 2
             "trainer.eval_batches=1",
@@ -115,6 +119,7 @@ GRID = [
     Row("llama_tiny", 1, 2, 4, checkpointing=True),
     Row("llama_tiny", 2, 1, 4),
     Row("llama_tiny", 2, 3, 2),
+    Row("llama_tiny", 2, 2, 4, documents=True),
     Row("seed_trax", 1, 0, 2),
     Row("seed_trax", 1, 2, 4, checkpointing=True),
     Row("seed_trax", 2, 1, 2),
@@ -140,7 +145,7 @@ HELD_OUT = [
 ]
 SMOKE = [
     Row("tiny", 1, 0, 4, seq=64, loss_impl="full"),
-    Row("llama_tiny", 1, 2, 4, seq=64),
+    Row("llama_tiny", 1, 2, 4, seq=64, documents=True),
     Row("tiny", 1, 3, 2, seq=64),
 ]
 
