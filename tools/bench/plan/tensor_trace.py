@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._C._profiler import _EventType
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.profiler import ProfilerActivity, profile
 
 from lmsys.cli import run_cli
@@ -32,6 +34,8 @@ from lmsys.training.peak_memory import DIAGNOSIS
 from lmsys.training.run import train
 
 PROG = "tools.bench tensor_trace"
+# tensors without data of their own: a plan's fake tensors left alive in the same process
+DATALESS = (FakeTensor, FunctionalTensor)
 Event = tuple[int, int, int]  # (time ns, address, +bytes allocated or -bytes freed)
 
 
@@ -64,7 +68,7 @@ class TensorPeak:
                 skipped.append((node.start_time_ns, node.end_time_ns))
         events.sort()
         upper, unseen = running_peak(events, skipped)
-        alive = {t.untyped_storage().data_ptr() for t in _cpu_tensors()}
+        alive = _cpu_addresses()
         early = []  # each unseen free at the last read of its block before its address came back
         for ptr, born, gone in unseen:
             if gone is None and ptr in alive:
@@ -97,14 +101,15 @@ def running_peak(
     return peak, unseen + [(ptr, born, None) for ptr, (_, born) in live.items()]
 
 
-def _cpu_tensors() -> list[torch.Tensor]:
-    """Every CPU tensor Python holds now (by type: isinstance reads __class__, which some objects warn on)."""
-    found = []
+def _cpu_addresses() -> set[int]:
+    """The storage address of every CPU tensor Python holds now (by type: isinstance reads
+    __class__, which some objects warn on)."""
+    found = set()
     for obj in gc.get_objects():
-        if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
+        kind = type(obj)
+        if issubclass(kind, torch.Tensor) and not issubclass(kind, DATALESS) and obj.device.type == "cpu":
             try:
-                obj.untyped_storage()
-                found.append(obj)
+                found.add(obj.untyped_storage().data_ptr())
             except RuntimeError:  # no storage (a sparse tensor, a wrapper subclass)
                 pass
     return found
