@@ -86,7 +86,7 @@ RMS = "rms"  # the fourth formula: `rms_norm` / `add_rms_norm` only (no mean, no
 _FORMULA_CODES = {**FORMULAS, RMS: len(FORMULAS)}  # every formula the kernels compute -> constexpr
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-MAX_N = 65536  # widest row accepted (the limit; wide rows loop over column chunks)
+MAX_N = 65536  # widest row accepted (the widest row supported; wide rows loop over column chunks)
 # Widest row one program keeps in registers. The backward holds more live fp32 tiles (x, dy,
 # xhat, g and the dgamma/dbeta accumulators), so it switches to chunks earlier: a single
 # 16384-wide backward tile would need 32 warps at 16 values per thread, twice the register file.

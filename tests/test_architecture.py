@@ -141,6 +141,14 @@ def test_module_sizes():
     assert too_long == {}
 
 
+TRAINER_MAX_LINES = 350  # the loop and its step; the run's other concerns are components
+
+
+def test_the_trainer_stays_within_its_budget():
+    lines = len((REPO / "lmsys" / "training" / "trainer.py").read_text().splitlines())
+    assert lines < TRAINER_MAX_LINES, f"lmsys/training/trainer.py has {lines} lines"
+
+
 def test_function_sizes():
     too_long = {}
     for name, tree in TREES.items():

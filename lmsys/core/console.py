@@ -94,6 +94,11 @@ class Console:
         self._first_step: int | None = None  # of this launch
         self.last_step: TrainRecord | None = None
         self.max_steps: int | None = None  # the last step of the launch (`progress`)
+        self.eval_interval: int | None = None  # steps between evaluations (the ETA counts them)
+        self.evaluation_estimate_s: float | None = None  # one evaluation, before the first is timed
+        self._evaluations_s = 0.0  # this launch's evaluations so far
+        self._evaluations_at_last_step_s = 0.0
+        self._last_evaluation_s: float | None = None
 
     @property
     def active(self) -> bool:
@@ -158,6 +163,7 @@ class Console:
         if self._first_step is None:
             self._first_step = record.step
         self.last_step = record
+        self._evaluations_at_last_step_s = self._evaluations_s
         max_steps = self.max_steps or record.step
         if self._bar is not None and not self._bar.disable:
             postfix = {"loss": f"{record.loss:.4f}", "lr": f"{record.lr:.2e}"}
@@ -174,6 +180,9 @@ class Console:
 
     def eval_done(self, record: EvalRecord, train_loss: float, coverage: str) -> None:
         """The validation line: both losses and the last step's fields."""
+        if record.seconds is not None:
+            self._evaluations_s += record.seconds
+            self._last_evaluation_s = record.seconds
         parts = [
             f"{self.prog}: step {record.step}: train loss {train_loss:.4f}",
             f"val loss {record.loss:.4f} ({coverage})",
@@ -193,7 +202,26 @@ class Console:
         out.append(f"elapsed {duration(record.elapsed_s)}")
         max_steps = self.max_steps or record.step
         if record.step < max_steps:
-            # the remaining steps at this launch's mean pace so far
-            steps_done = max(record.step - (self._first_step or record.step) + 1, 1)
-            out.append(f"ETA {duration(record.elapsed_s / steps_done * (max_steps - record.step))}")
+            out.append(f"ETA {duration(self.eta_s(record, max_steps))}")
         return out
+
+    def eta_s(self, record: TrainRecord, max_steps: int) -> float:
+        """The time to max_steps: the remaining steps at this launch's mean pace of training so far
+        (its evaluations taken out), plus the remaining evaluations at the last one's duration
+        (before the first: evaluation_estimate_s, the plan's, when known)."""
+        evaluations_s = self._evaluations_at_last_step_s  # those record.elapsed_s holds
+        steps_done = max(record.step - (self._first_step or record.step) + 1, 1)
+        pace = max(record.elapsed_s - evaluations_s, 0.0) / steps_done
+        eta = pace * (max_steps - record.step)
+        per_evaluation = self._last_evaluation_s
+        if per_evaluation is None:
+            per_evaluation = self.evaluation_estimate_s
+        if self.eval_interval and per_evaluation is not None:
+            eta += per_evaluation * evaluations_after(record.step, max_steps, self.eval_interval)
+        return eta
+
+
+def evaluations_after(step: int, max_steps: int, eval_interval: int) -> int:
+    """How many evaluations a run makes after `step`: every eval_interval steps and at max_steps."""
+    every = max_steps // eval_interval - step // eval_interval
+    return every + (1 if max_steps % eval_interval else 0)

@@ -173,10 +173,11 @@ class EvalRecord(Record):
     KIND: ClassVar[str] = "eval"
     loss: float | None
     ppl: float | None
+    seconds: float | None = None  # the evaluation's wall time (the ETA counts the ones to come)
 
     @classmethod
-    def of(cls, step: int, loss: float) -> EvalRecord:
-        return cls(step, loss, math.exp(min(loss, 80.0)))
+    def of(cls, step: int, loss: float, seconds: float | None = None) -> EvalRecord:
+        return cls(step, loss, math.exp(min(loss, 80.0)), seconds)
 
 
 @dataclass(frozen=True)

@@ -106,9 +106,11 @@ class Reporter:
         self.console.warn(message)
 
     @contextmanager
-    def steps(self, first: int, last: int) -> Iterator[None]:
-        """The loop over steps first..last: the progress bar is up while it runs."""
+    def steps(self, first: int, last: int, eval_interval: int | None = None) -> Iterator[None]:
+        """The loop over steps first..last, evaluating every eval_interval steps and at the last:
+        the progress bar is up while it runs."""
         self.first_step, self.max_steps = first, last
+        self.console.eval_interval = eval_interval
         with self.console.progress(total=last, initial=first - 1):
             yield
 

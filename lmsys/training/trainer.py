@@ -152,10 +152,9 @@ class Trainer:
             )
             self.state.wandb_id = self.report.wandb_id
         dist.barrier()
-        model = (self.n_params, self.flops_per_token)
-        coverage, ready_s = self.val_coverage(), self.engine_seconds
+        model, coverage = (self.n_params, self.flops_per_token), self.val_coverage()
         self.report.banner(
-            cfg, setup, self.engine_info, model, ready_s, self.start_step, self.run_dir, coverage
+            cfg, setup, self.engine_info, model, self.engine_seconds, self.start_step, self.run_dir, coverage
         )
         if self.kernel_check.passed or self.kernel_check.failed:
             self.report.note(self.kernel_check.line())
@@ -256,10 +255,11 @@ class Trainer:
         covered, total = self.loader.val_coverage(self.cfg.trainer.eval_batches)
         return f"all {total} val sequences" if covered == total else f"{covered} of {total} val sequences"
 
-    def evaluate(self) -> float:
-        """The weighted mean loss on the validation sequences trainer.eval_batches names (N micro-
-        batches' worth, shared among the ranks; 0: the whole validation split)."""
-        engine, device = self.engine, self.setup.device
+    def evaluate(self, n: int) -> EvalRecord:
+        """The evaluation after step n: the weighted mean loss (kept as last_val) on the validation
+        sequences trainer.eval_batches names (N micro-batches' worth, shared among the ranks; 0: the
+        whole validation split), and its wall time."""
+        engine, device, started = self.engine, self.setup.device, time.perf_counter()
         engine.eval()
         total = torch.zeros(2, dtype=torch.float64, device=device)  # (weighted loss, weight)
         with torch.no_grad():
@@ -273,7 +273,8 @@ class Trainer:
                     total[1] += weight
         dist.all_reduce(total)
         engine.train()
-        return (total[0] / total[1]).item() if total[1].item() > 0 else float("nan")
+        self.last_val = (total[0] / total[1]).item() if total[1].item() > 0 else float("nan")
+        return EvalRecord.of(n, self.last_val, time.perf_counter() - started)
 
     def save(self, announce: bool = True) -> Path:
         """A checkpoint of the step just finished (lmsys/engine/checkpoint.py); every rank calls it."""
@@ -295,7 +296,7 @@ class Trainer:
         self.stop.armed = True
         stop: str | None = None
         try:
-            with self.report.steps(self.start_step + 1, t.max_steps):
+            with self.report.steps(self.start_step + 1, t.max_steps, t.eval_interval):
                 n = self.start_step
                 while n < t.max_steps:
                     n += 1
@@ -306,8 +307,7 @@ class Trainer:
                         n = self.state.step
                         continue
                     if n % t.eval_interval == 0 or n == t.max_steps:
-                        self.last_val = self.evaluate()
-                        self.report.eval_done(EvalRecord.of(n, self.last_val), step.loss, self.val_coverage())
+                        self.report.eval_done(self.evaluate(n), step.loss, self.val_coverage())
                     if n % t.save_interval == 0 or n == t.max_steps:
                         self.save()
                     if step.stop is not None and n < t.max_steps:

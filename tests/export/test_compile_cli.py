@@ -1,4 +1,4 @@
-"""compile= of lmsys-generate and lmsys-eval (#14), the real CLIs with inductor: the same output as
+"""compile= of lmsys-generate and lmsys-eval, the real CLIs with inductor: the same output as
 eager, one stderr line saying what was compiled (generation: a prompt graph and a decode graph;
 evaluation: one graph for every batch, the last one padded), a compile failure under true is one
 error line (exit 2), and under auto it runs eager with one warning.

@@ -1,4 +1,4 @@
-"""Messages that name the key and the way out (#30): a run directory without a checkpoint, an
+"""Messages that name the key and the way out: a run directory without a checkpoint, an
 empty prompts file, a model.init_from of another architecture, a destination one cannot write."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""torch.compile (#14): the Triton kernels' custom ops pass torch.library.opcheck, every preset's
+"""torch.compile: the Triton kernels' custom ops pass torch.library.opcheck, every preset's
 forward and loss trace into one graph with no graph break, compiled equals eager, and a compiled
 module does not recompile for another batch of the same shape. Generation: the prompt forward and
 the decode step through a StaticKVCache trace with no graph break, and compiled generation gives

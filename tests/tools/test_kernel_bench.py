@@ -42,7 +42,7 @@ def test_bench_smoke_runs_and_prints_ratios(smoke_run):
     out = proc.stdout
     header = next((line for line in out.splitlines() if line.startswith("op ")), None)
     assert header is not None and "ratio" in header.split() and "ours_pct_peak_hbm" in header.split(), out
-    assert "targets (issue #3" in out and "attention bwd vs sdpa-flash" in out, out
+    assert "targets (the kernel grid" in out and "attention bwd vs sdpa-flash" in out, out
 
     with csv_path.open(newline="") as f:
         reader = csv.DictReader(f)
@@ -192,7 +192,7 @@ def test_targets_without_rows_or_verdicts():
 
 
 def test_full_grids_cover_gpt2_shapes():
-    """Issue #12: GPT-2's causal attention (d = 64, T = 1024) and its layer-norm widths are benched."""
+    """GPT-2's causal attention (d = 64, T = 1024) and its layer-norm widths are benched."""
     from tools.bench.attention import _shapes
     from tools.bench.layer_norm import LN_WIDTHS
 
@@ -204,9 +204,9 @@ def test_full_grids_cover_gpt2_shapes():
 def _gpt2_lines(rows: list[dict], verdicts: bool = True) -> dict[str, str]:
     from tools.bench.report import GPT2_TARGETS
 
-    text = format_targets(rows, verdicts, GPT2_TARGETS, "issue #12, GPT-2 shapes")
+    text = format_targets(rows, verdicts, GPT2_TARGETS, "GPT-2 shapes")
     lines = text.splitlines()
-    assert lines[0].startswith("targets (issue #12, GPT-2 shapes")
+    assert lines[0].startswith("targets (GPT-2 shapes")
     return {what: line for (what, *_), line in zip(GPT2_TARGETS, lines[1:])}
 
 

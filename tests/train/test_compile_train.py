@@ -1,4 +1,4 @@
-"""trainer.compile=true (#14): real 2-rank torchrun runs compiled with inductor, at ZeRO-2 (the loss
+"""trainer.compile=true: real 2-rank torchrun runs compiled with inductor, at ZeRO-2 (the loss
 module compiled) and ZeRO-3 (each block compiled, the blocks ZeRO-3 leaf modules), as one Hydra
 sweep in one process per rank. Each trains with its eager run's losses (1e-4 relative), reports
 its own compilation once (dynamo's counters are process-wide; each job counts from its start),

@@ -1,4 +1,4 @@
-"""What a training run prints (#18): plain progress lines in a log file, the bar in a terminal, the
+"""What a training run prints: plain progress lines in a log file, the bar in a terminal, the
 startup, checkpoint, validation-coverage and W&B lines, and what a resume says it continues.
 
 The log-file mode is the real CLI with its output captured through pipes (the cached 1-process

@@ -1,4 +1,4 @@
-"""What a command prints beside its own lines (#30): a warning when this machine's cores are
+"""What a command prints beside its own lines: a warning when this machine's cores are
 oversubscribed by torch threads and lmsys training processes, and one prefix per command.
 DeepSpeed's noise in a real run's output: tests/train/test_sweep_failure.py."""
 

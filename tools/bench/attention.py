@@ -18,7 +18,7 @@ backend's throughput (> 1: ours faster):
 
 FLOPs (docs/DESIGN.md "Performance"): forward 4*B*H*T*T*d, half when causal; backward 2.5x forward,
 forward+backward 3.5x. The same FLOPs are credited to the baseline, so the ratio is the inverse
-ratio of times. The issue's H100 bf16 targets read straight off the rows with d=128, causal=True,
+ratio of times. The H100 bf16 targets read straight off the rows with d=128, causal=True,
 T >= 4096 and baseline sdpa-flash: "attention fwd" ratio >= 1.3 and "attention bwd" ratio >= 1.2
 (`tools.bench kernels` also prints the worst ratio over those rows).
 
@@ -49,7 +49,7 @@ FULL_SEQ_LENS = (1024, 2048, 4096, 8192, 16384)
 TOKENS_PER_STEP = 16384  # B * T on GPU
 MODEL_WIDTH = 2048  # H * d
 # GPT-2's own attention: 12 heads of 64 (124M) and 25 heads of 64 (1558M) over its 1024-token
-# context, 16 sequences per step. Issue #12's GPU targets read these rows (tools/bench/report.py).
+# context, 16 sequences per step. The GPT-2 GPU targets read these rows (tools/bench/report.py).
 GPT2_SHAPES = ((16, 12, 1024, 64), (16, 25, 1024, 64))  # (B, H, T, d)
 SMOKE_GPU = (2, 4, 256, 64)  # (B, H, T, d)
 SMOKE_CPU = (1, 2, 64, 32)

@@ -24,7 +24,7 @@ of R forward+backward passes after one warm-up. Ratios are against `full` measur
 memory ratio = full / variant (> 1: the variant needs less), time ratio = variant / full (< 1:
 faster). fp32 on a CPU, bf16 inputs on a GPU (fp32 accumulation everywhere).
 
-`--model` runs the issue's end-to-end check instead: Transformer(gpt2_124m) `.loss(tokens,
+`--model` runs the end-to-end check instead: Transformer(gpt2_124m) `.loss(tokens,
 weights)` on tokens (4, 1024), forward and backward, with model.loss_impl=chunked and =torch
 (torch's op, automatic chunking) against full, each in its own process (peak memory and time as
 above), and the losses and every gradient compared (max relative difference printed; the check

@@ -12,7 +12,7 @@ wait for the previous one counts the wait in its stall, and the benchmark says h
 metrics.jsonl the loop's stall (from the save's start at the step boundary to the loop going on)
 and the write time (files, sizes checked, hashed into the marker, committed); the benchmark prints
 their medians over the saves (the first save is the untimed warm-up: it allocates the host
-buffers), the state written per checkpoint, and the ratio async / sync stall (issue #29's target:
+buffers), the state written per checkpoint, and the ratio async / sync stall (the target:
 <= 0.1x; its anchor, PyTorch's asynchronous checkpointing of a 7B model, 148.8 s -> 6.3 s, 0.04x).
 It also prints the whole loop's time of each run, since a background write competes with the loop
 for the CPU (on a GPU it competes only for host memory bandwidth).

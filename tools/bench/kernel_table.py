@@ -5,7 +5,7 @@
 Prints the device and date, then one row per measurement (the layer norm, tools/bench/layer_norm.py;
 the attention, tools/bench/attention.py; the Llama family's kernels, tools/bench/llama.py: RMS
 norm, rotary, SwiGLU, grouped-query and packed-documents attention), and below the table the
-issue's targets with the worst measured value of each (tools/bench/report.py).
+kernels' targets with the worst measured value of each (tools/bench/report.py).
 
 On a CUDA machine the default is the full grid in bf16, timed with triton.testing.do_bench.
 Without CUDA it always runs the smoke grid (tiny shapes, fp32) on CPU tensors through the
@@ -103,7 +103,7 @@ def run(argv: list[str]) -> int:
     full_h100_bf16 = on_gpu and not smoke and dtype == torch.bfloat16 and "H100" in device_name(device)
     print(format_targets(rows, verdicts=full_h100_bf16))
     print()
-    print(format_targets(rows, full_h100_bf16, GPT2_TARGETS, "issue #12, GPT-2 shapes"))
+    print(format_targets(rows, full_h100_bf16, GPT2_TARGETS, "GPT-2 shapes"))
     print(f"  {GPT2_ATTENTION_ANCHORS}")
     if args.csv:
         write_csv(rows, args.csv)

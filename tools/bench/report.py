@@ -2,7 +2,7 @@
 
 One row per measurement: our kernel's time and throughput next to a baseline measured in the
 same run (F.layer_norm, torch SDPA), and their ratio. ratio = ours / baseline throughput, so
-> 1 means our kernel is faster. Below the table, the issue's H100 bf16 targets with the worst
+> 1 means our kernel is faster. Below the table, the kernels' H100 bf16 targets with the worst
 measured value of each (they apply to the full grid on an H100 in bf16; elsewhere the lines
 only show which rows would be read):
 
@@ -11,7 +11,7 @@ only show which rows would be read):
     layer norm forward+backward: >= 90% of peak HBM bandwidth and >= 1.5x F.layer_norm
         (rows "layer_norm fwd+bwd": columns ours_pct_peak_hbm and ratio)
 
-and the GPT-2 targets of issue #12 (GPT2_TARGETS; the full grid has GPT-2's shapes: attention
+and the GPT-2 targets (GPT2_TARGETS; the full grid has GPT-2's shapes: attention
 B=16, H=12 and 25, T=1024, d=64, causal; layer-norm widths 768, 1024, 1280, 1600):
 
     causal attention, d=64, T=1024: forward >= 290 and backward >= 300 TFLOP/s (column ours)
@@ -82,7 +82,7 @@ def _display(row: dict) -> dict:
     }
 
 
-# The issue's targets (H100, bf16, full grid): (what, which rows, row key, threshold, unit).
+# The kernels' targets (H100, bf16, full grid): (what, which rows, row key, threshold, unit).
 ATTENTION_TARGET_T = (4096, 16384)  # inclusive range of sequence lengths the targets cover
 
 
@@ -119,7 +119,7 @@ def _ln_rows(op: str, lo: int = 0, hi: int = 1 << 30) -> Callable[[dict], bool]:
 
 
 _ANY_LN = lambda r: r["op"].startswith("layer_norm")
-# Issue #12's targets for a GPU session (H100 SXM, bf16): GPT-2's causal attention (d = 64,
+# GPT-2's targets for a GPU session (H100 SXM, bf16): GPT-2's causal attention (d = 64,
 # T = 1024) in absolute TFLOP/s, the layer norm against peak HBM bandwidth and F.layer_norm.
 GPT2_TARGETS: tuple[tuple[str, Callable[[dict], bool], str, float, str], ...] = (
     (
@@ -164,7 +164,7 @@ def format_targets(
     rows: list[dict],
     verdicts: bool = True,
     targets: tuple = TARGETS,
-    scope: str = "issue #3",
+    scope: str = "the kernel grid",
 ) -> str:
     """One line per target: the worst value over the rows it covers, the threshold and, with
     `verdicts` (a full bf16 run on an H100), met or not. Rows without a finite value (an unknown
