@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lmsys.core.config import Config
+from lmsys.core.console import evaluations_after
 from lmsys.core.devices import GIB, Device
 from lmsys.core.errors import ConfigError, LmsysError
 from lmsys.core.runtime import BatchSplit, split_batch
@@ -266,7 +267,7 @@ def plan_launch(cfg: Config, world: int, device: Device, suggest: bool = True) -
         flops_per_step=flops,
         max_steps=t.max_steps,
         evaluation_s=eval_s,
-        evaluations=t.max_steps // t.eval_interval + (1 if t.max_steps % t.eval_interval else 0),
+        evaluations=evaluations_after(0, t.max_steps, t.eval_interval),
         evaluation_forwards=forwards,
     )
     if suggest and not plan.fits:

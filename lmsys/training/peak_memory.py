@@ -56,6 +56,7 @@ class PeakMemory(Component):
         self.loop = loop
         if self.plan is not None:
             self.report.note(startup_line(self.plan))
+            self.report.expect_evaluations(self.plan.evaluation_s)
             warning = evaluation_warning(self.plan)
             if warning:
                 self.report.warn(warning)

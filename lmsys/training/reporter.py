@@ -105,6 +105,10 @@ class Reporter:
     def warn(self, message: str) -> None:
         self.console.warn(message)
 
+    def expect_evaluations(self, seconds: float | None) -> None:
+        """The plan's time for one evaluation: the ETA's until the first is timed."""
+        self.console.evaluation_estimate_s = seconds
+
     @contextmanager
     def steps(self, first: int, last: int, eval_interval: int | None = None) -> Iterator[None]:
         """The loop over steps first..last, evaluating every eval_interval steps and at the last:

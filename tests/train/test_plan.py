@@ -15,14 +15,24 @@ import pytest
 import torch
 
 from lmsys.core.config import compose
+from lmsys.core.console import Console
 from lmsys.core.devices import GPUS, device_spec
+from lmsys.core.runtime import Setup
 from lmsys.interop.export_dir import write_export
 from lmsys.model.transformer import Transformer
 from lmsys.planning import trace as traced
 from lmsys.planning.plan import plan_launch
 from lmsys.planning.report import evaluation_warning, startup_line
 from lmsys.planning.zero import step_memory
-from lmsys.training.peak_memory import Measured, diagnoses_run, diagnosis, measured_peak_bytes, memory_line
+from lmsys.training.peak_memory import (
+    Measured,
+    PeakMemory,
+    diagnoses_run,
+    diagnosis,
+    measured_peak_bytes,
+    memory_line,
+)
+from lmsys.training.reporter import Reporter
 from tests.train.conftest import COMMON, REPO_ROOT, SEQ, child_env, run_train
 from tools.bench.plan.tensor_trace import TensorPeak
 
@@ -212,6 +222,17 @@ def test_the_cpu_plan_gives_no_time_and_a_gpu_plan_counts_evaluations():
     gpu = _plan(["trainer.eval_batches=2", "trainer.max_steps=10", "trainer.eval_interval=4"], device="h100")
     assert gpu.evaluations == 3 and gpu.evaluation_forwards == 2 and gpu.evaluation_s > 0
     assert gpu.run_time_s == pytest.approx(10 * gpu.step_time_s + 3 * gpu.evaluation_s)
+
+
+def test_the_plans_evaluation_time_is_the_etas_until_the_first_is_timed():
+    """A GPU launch's PeakMemory hands the plan's time for one evaluation to the console, whose ETA
+    counts it for the evaluations to come (tests/unit/core/test_eta.py)."""
+    cfg = compose([*SMALL, "trainer.eval_batches=2", "trainer.max_steps=10", "trainer.eval_interval=4"])
+    plan = plan_launch(cfg, 1, device_spec("h100"))
+    console = Console("lmsys-train", progress=False, interval=1, terminal=False)
+    setup = Setup(torch.device("cpu"), "bf16", 0, 1, plan.batch)
+    PeakMemory(cfg.trainer, setup, plan, Reporter(console, 1, plot=False)).begin(None)
+    assert console.evaluation_estimate_s == plan.evaluation_s > 0
 
 
 def test_evaluations_that_would_outweigh_the_training_are_warned_about():
