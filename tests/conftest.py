@@ -30,6 +30,7 @@ SLOWEST_SCOPES = (
     "tests/kernels/test_flash_attention.py",  # 212
     "tests/llama/test_fine_tune.py",  # 76 alone with -n 0, 195 beside other work (2026-11-28)
     "tests/model/test_properties.py",  # 196
+    "tests/train/test_sequence_parallel.py",  # 183 with -n 0 beside other work
     "tests/train/test_reshard.py",  # 184
     "tests/kernels/test_linear_cross_entropy.py",  # 170
     "tests/train/test_resume.py",  # 166

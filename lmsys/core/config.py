@@ -50,12 +50,15 @@ from lmsys.core.model_config import (  # noqa: F401
     RopeScalingConfig,
     autoregressive,
     context_prefix,
+    divisors,
+    either,
     model_dims,
     one_of,
     require,
     tokenizer_size,
     tokens_per_sample,
     validate_model,
+    validate_sequence_parallel,
 )
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repository's conf/
@@ -204,6 +207,9 @@ class TrainerConfig:
     # warn on CPU) | refuse (a launch predicted not to fit stops, with what would fit) | warn | off
     plan: str = "auto"
     plan_memory_bytes: int = 0  # memory per rank the plan compares with; 0: the device's own
+    # Ulysses sequence parallelism: groups of this many ranks each hold data.seq_len / it positions of
+    # every sequence, attention gathers the sequence for model.n_heads / it heads (docs/training.md)
+    sequence_parallel: int = 1
 
 
 @dataclass
@@ -366,6 +372,7 @@ def validate(cfg: Config) -> Config:
         require(ds.stage >= 1, "deepspeed.offload_optimizer=true needs deepspeed.stage >= 1 (got 0)")
     one_of("trainer.device", t.device, ("auto", "cpu", "cuda"))
     one_of("trainer.plan", t.plan, ("auto", "refuse", "warn", "off"))
+    validate_sequence_parallel(t.sequence_parallel, cfg.model, cfg.data.seq_len)
     require(t.plan_memory_bytes >= 0, f"trainer.plan_memory_bytes={t.plan_memory_bytes} must be >= 0")
     return cfg
 

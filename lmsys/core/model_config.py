@@ -278,3 +278,43 @@ def _validate_llama_options(cfg: ModelConfig, p: str) -> None:
         )
     if cfg.hf_model_type is not None:
         one_of(f"{p}.hf_model_type", cfg.hf_model_type, HF_MODEL_TYPES)
+
+
+def either(numbers: list[int]) -> str:
+    """`1`, `1 or 2`, `1, 2 or 4`: the numbers an error line offers."""
+    words = [str(n) for n in numbers]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate_sequence_parallel(p: int, cfg: ModelConfig, seq_len: int) -> None:
+    """trainer.sequence_parallel=p for this model and data.seq_len: each of the p ranks of a group
+    holds seq_len / p positions of every sequence and attends over the whole of it with n_heads / p
+    query heads; the key/value heads are split among them (a multiple of p) or each rank holds a
+    copy of the one its query heads read (a divisor of p). ConfigError naming what would fit."""
+    require(p >= 1, f"trainer.sequence_parallel={p} must be >= 1 (1: off)")
+    if p == 1:
+        return
+    heads, kv_heads = cfg.n_heads, model_dims(cfg).n_kv_heads
+    fits = [d for d in divisors(heads)[1:] if kv_heads % d == 0 or d % kv_heads == 0]
+    fit = f"; use trainer.sequence_parallel={either(fits)}" if fits else ""
+    require(
+        heads % p == 0,
+        f"trainer.sequence_parallel={p} does not divide model.n_heads={heads}: each rank of a group "
+        f"attends with n_heads / {p} of the query heads{fit}",
+    )
+    require(
+        kv_heads % p == 0 or p % kv_heads == 0,
+        f"trainer.sequence_parallel={p} and model.attention.n_kv_heads={kv_heads}: the key/value heads "
+        f"are split among the {p} ranks of a group (a multiple of {p}) or copied to them (a divisor of "
+        f"{p}), and {kv_heads} is neither{fit}",
+    )
+    require(
+        seq_len % p == 0,
+        f"data.seq_len={seq_len} does not divide by trainer.sequence_parallel={p}: each rank of a group "
+        f"holds data.seq_len / {p} positions of every sequence; use e.g. data.seq_len="
+        f"{max(p, seq_len // p * p)}",
+    )

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from lmsys.core.choices import DTYPE_NAMES
-from lmsys.core.config import Config, tokens_per_sample
+from lmsys.core.config import Config, divisors, either, tokens_per_sample, validate_sequence_parallel
 from lmsys.core.errors import ConfigError, UsageError
 
 DTYPES: dict[str, torch.dtype] = dict(
@@ -120,32 +120,78 @@ class Setup:
 
 
 @dataclass(frozen=True)
+class SequenceShard:
+    """Where a rank's part of every sequence lies under sequence parallelism: rank `index` of a
+    group of `size` holds positions [index * T / size, (index + 1) * T / size) of each row of T."""
+
+    index: int = 0
+    size: int = 1
+
+    def start(self, length: int) -> int:
+        """The first position of this rank's part of rows of `length` positions."""
+        return self.index * (length // self.size)
+
+    def part(self, rows: torch.Tensor) -> torch.Tensor:  # (B, T, ...) -> (B, T / size, ...)
+        """This rank's positions of `rows`."""
+        width = rows.shape[1] // self.size
+        return rows[:, self.index * width : (self.index + 1) * width]
+
+
+@dataclass(frozen=True)
 class BatchSplit:
-    """How one optimizer step's sequences are cut into micro-batches across ranks."""
+    """How one optimizer step's sequences are cut into micro-batches across ranks (and, with
+    sequence parallelism, every sequence across the ranks of a group)."""
 
     seq_len: int  # positions per forward
     tokens_per_sample: int  # tokens the loader cuts per sequence (seq_len + 1 with the usual shift)
     micro_batch_size: int  # sequences per rank per forward
     world_size: int
     grad_accum: int  # micro-batches per rank per optimizer step
-    global_batch_sequences: int  # = micro_batch_size * world_size * grad_accum
+    global_batch_sequences: int  # = micro_batch_size * world_size / sequence_parallel * grad_accum
+    # ranks per sequence-parallel group (trainer.sequence_parallel): each holds seq_len / it positions
+    sequence_parallel: int = 1
+
+    @property
+    def data_parallel(self) -> int:
+        """Groups that read different sequences: the world size over the sequence-parallel size."""
+        return self.world_size // self.sequence_parallel
+
+    @property
+    def rank_tokens(self) -> int:
+        """Positions one rank holds per forward: its activations' and its FLOPs' count (the
+        attention of each still reads the whole sequence's keys)."""
+        return self.micro_batch_size * self.seq_len // self.sequence_parallel
 
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch_sequences * self.seq_len
 
+    def shard(self, rank: int) -> SequenceShard:
+        """Rank `rank`'s part of every sequence: groups are consecutive ranks (DeepSpeed's layout)."""
+        return SequenceShard(rank % self.sequence_parallel, self.sequence_parallel)
+
     def arithmetic(self) -> str:
+        ranks = f"world {self.world_size}"
+        if self.sequence_parallel > 1:
+            ranks = f"world {self.world_size} / sequence parallel {self.sequence_parallel}"
         return (
             f"{self.tokens_per_step:,} tokens per step = micro {self.micro_batch_size} x seq {self.seq_len} "
-            f"x world {self.world_size} x accumulation {self.grad_accum}"
+            f"x {ranks} x accumulation {self.grad_accum}"
         )
 
 
 def split_batch(cfg: Config, world_size: int) -> BatchSplit:
     """`trainer.global_batch_tokens / data.seq_len` sequences per optimizer step, split into
-    `micro_batch_size` sequences per rank per forward: gradient accumulation is derived, never
-    configured. ConfigError, naming a value that works, when the numbers do not divide."""
-    t, seq = cfg.trainer, cfg.data.seq_len
+    `micro_batch_size` sequences per group of `trainer.sequence_parallel` ranks (one rank without
+    sequence parallelism) per forward: gradient accumulation is derived, never configured.
+    ConfigError, naming a value that works, when the numbers do not divide."""
+    t, seq, p = cfg.trainer, cfg.data.seq_len, cfg.trainer.sequence_parallel
+    if world_size % p:
+        raise ConfigError(
+            f"trainer.sequence_parallel={p} does not divide the world size {world_size}: the ranks form "
+            f"groups of {p}; launch a multiple of {p} ranks or use trainer.sequence_parallel="
+            f"{either(divisors(world_size))}"
+        )
     if t.global_batch_tokens % seq:
         lower, upper = (t.global_batch_tokens // seq) * seq, (t.global_batch_tokens // seq + 1) * seq
         raise ConfigError(
@@ -153,13 +199,16 @@ def split_batch(cfg: Config, world_size: int) -> BatchSplit:
             f"use e.g. {lower or upper} or {upper}"
         )
     sequences = t.global_batch_tokens // seq
-    per_micro_step = t.micro_batch_size * world_size
+    per_micro_step = t.micro_batch_size * world_size // p
     if sequences % per_micro_step:
         k = max(1, round(sequences / per_micro_step))
+        ranks = f"world_size={world_size}"
+        if p > 1:
+            ranks = f"world_size={world_size} / trainer.sequence_parallel={p}"
         raise ConfigError(
             f"trainer.global_batch_tokens={t.global_batch_tokens} gives {sequences} sequences per step "
             f"({t.global_batch_tokens} / data.seq_len={seq}), which does not divide by "
-            f"trainer.micro_batch_size={t.micro_batch_size} x world_size={world_size} = {per_micro_step}; "
+            f"trainer.micro_batch_size={t.micro_batch_size} x {ranks} = {per_micro_step}; "
             f"use a multiple of {per_micro_step * seq} tokens, "
             f"e.g. trainer.global_batch_tokens={k * per_micro_step * seq}"
         )
@@ -170,39 +219,51 @@ def split_batch(cfg: Config, world_size: int) -> BatchSplit:
         world_size=world_size,
         grad_accum=sequences // per_micro_step,
         global_batch_sequences=sequences,
+        sequence_parallel=p,
     )
 
 
-def _one_of(numbers: list[int]) -> str:
-    words = [str(n) for n in numbers]
-    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def sequence_parallel_sizes(cfg: Config, world_size: int) -> list[int]:
+    """The values trainer.sequence_parallel may take for cfg's model, data.seq_len, global batch
+    and micro-batch on `world_size` ranks, smallest first (1 among them when the batch splits)."""
+    sizes = []
+    for p in divisors(world_size):
+        try:
+            validate_sequence_parallel(p, cfg.model, cfg.data.seq_len)
+            split_batch(replace(cfg, trainer=replace(cfg.trainer, sequence_parallel=p)), world_size)
+        except ConfigError:
+            continue
+        sizes.append(p)
+    return sizes
 
 
 def resume_batch_split(cfg: Config, world_size: int, step: int) -> BatchSplit:
     """The batch split of a run resuming the checkpoint of `step` on `world_size` ranks. A resumed
     run keeps its global batch (the loader's saved position counts its sequences), but may change
-    the world size and the micro-batch size: ConfigError naming those that fit when they do not."""
+    the world size, the micro-batch size and the sequence-parallel size: ConfigError naming those
+    that fit when they do not."""
     try:
         return split_batch(cfg, world_size)
     except ConfigError:
-        pass
+        if world_size % cfg.trainer.sequence_parallel:
+            raise
     t = cfg.trainer
-    sequences, micro = t.global_batch_tokens // cfg.data.seq_len, t.micro_batch_size
+    sequences, micro, p = t.global_batch_tokens // cfg.data.seq_len, t.micro_batch_size, t.sequence_parallel
+    groups = world_size // p
     fits = []
     if sequences % micro == 0:
-        worlds = _one_of(_divisors(sequences // micro))
+        worlds = either([d * p for d in divisors(sequences // micro)])
         fits.append(f"keep trainer.micro_batch_size={micro} on {worlds} ranks")
-    if sequences % world_size == 0:
-        micros = _one_of(_divisors(sequences // world_size))
+    if sequences % groups == 0:
+        micros = either(divisors(sequences // groups))
         fits.append(f"use trainer.micro_batch_size={micros} on {world_size} ranks")
+    cut = f"micro-batches of {micro} on {world_size} ranks"
+    if p > 1:
+        cut = f"micro-batches of {micro} on {groups} groups of {p} ranks (trainer.sequence_parallel={p})"
     raise ConfigError(
         f"cannot resume step {step} on {world_size} ranks: its global batch of {sequences} sequences "
         f"(trainer.global_batch_tokens={t.global_batch_tokens} / data.seq_len={cfg.data.seq_len}) "
-        f"does not split into micro-batches of {micro} on {world_size} ranks; "
+        f"does not split into {cut}; "
         f"{', or '.join(fits) or 'change the world size'} (a resumed run keeps trainer.global_batch_tokens)"
     )
 

@@ -6,7 +6,9 @@ Parallelism is applied to the single-device `Transformer` from outside, in this 
 1. `apply_activation_checkpointing`: each block's forward is wrapped in
    `torch.utils.checkpoint` (recomputed in the backward) when deepspeed.activation_checkpointing.
 2. `LossModule`: the engine's forward is the model's loss, so DeepSpeed sees one module whose
-   output is the scalar to differentiate.
+   output is the scalar to differentiate; under sequence parallelism (trainer.sequence_parallel)
+   lmsys.engine.sequence_parallel's, this rank's part of it, each layer's attention wrapped in
+   DeepSpeed's DistributedAttention, and DeepSpeed's sequence-parallel groups go to its `mpu`.
 3. `apply_compile` (trainer.compile): torch.compile of the loss module (ZeRO 0-2) or of each
    block (ZeRO-3, blocks made ZeRO-3 leaf modules), before DeepSpeed registers its hooks.
 4. `build_optimizer`: AdamW, weight decay only on matrices (>= 2-D weights, embeddings
@@ -56,6 +58,7 @@ from lmsys.core.errors import CheckpointError
 from lmsys.core.runtime import BatchSplit
 from lmsys.engine.muon import build_muon, import_muon_lazily
 from lmsys.engine.quiet import quiet_overflow, skip_cpu_collectives_op, without_build_lines
+from lmsys.engine.sequence_parallel import averaged_ranks, sequence_parallel_groups, shard_sequences
 from lmsys.engine.zero_to_fp32 import safe_torch_load, weights_only
 from lmsys.model.compiling import compile_blocks, compile_module, wants_compile
 
@@ -182,7 +185,7 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
     return len(blocks)
 
 
-def apply_compile(model: nn.Module, module: LossModule, stage: int, strict: bool) -> None:
+def apply_compile(model: nn.Module, module: nn.Module, stage: int, strict: bool) -> None:
     """torch.compile what the engine will run (lmsys.model.compiling says why each way): at ZeRO 0-2 the
     whole loss module, in place; at ZeRO-3 each block's forward, every block a ZeRO-3 leaf module
     so that its own hooks gather all its parameters before the compiled forward runs (and no hook
@@ -265,6 +268,14 @@ def build_optimizer(
 # ----------------------------------------------------------------------------- DeepSpeed JSON
 
 
+def contiguous_gradients(cfg: Config, sequence_parallel: int, cuda: bool) -> bool:
+    """Whether DeepSpeed gathers the gradients into preallocated buckets: on a GPU when
+    deepspeed.contiguous_gradients asks, except for ZeRO-3 Muon under sequence parallelism, whose
+    every bucket must pass the reduce-scatter's averaging (sequence_parallel.averaged_ranks)."""
+    muon_sharded = cfg.deepspeed.stage == 3 and cfg.optim.name == "muon" and sequence_parallel > 1
+    return cfg.deepspeed.contiguous_gradients and cuda and not muon_sharded
+
+
 def deepspeed_config(
     cfg: Config,
     batch: BatchSplit,
@@ -281,7 +292,7 @@ def deepspeed_config(
         # avoid fragmenting GPU memory). A CPU has no streams and no fragmentation to avoid: they
         # only add gradient copies (~10% of a tiny model's ZeRO-2 step; tools.bench train).
         "overlap_comm": ds.overlap_comm and cuda,
-        "contiguous_gradients": ds.contiguous_gradients and cuda,
+        "contiguous_gradients": contiguous_gradients(cfg, batch.sequence_parallel, cuda),
         "reduce_bucket_size": ds.reduce_bucket_size,
         "allgather_bucket_size": ds.allgather_bucket_size,
     }
@@ -331,6 +342,8 @@ class EngineInfo:
     offload_param: bool
     compiled: bool = False  # torch.compile (trainer.compile)
     compile_strict: bool = False  # trainer.compile=true: a compile failure is an error
+    sequence_parallel: int = 1  # ranks per Ulysses group (trainer.sequence_parallel)
+    averaged_ranks: int = 1  # the ranks DeepSpeed averages the micro-batch gradients over
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -349,9 +362,13 @@ def initialize(
 
     quiet_deepspeed()
     import_muon_lazily()
+    unit = sequence_parallel_groups(batch.sequence_parallel)  # None without sequence parallelism
     if cfg.deepspeed.activation_checkpointing:
         apply_activation_checkpointing(model)
-    module = LossModule(model)
+    if unit is None:
+        module: nn.Module = LossModule(model)
+    else:
+        module = shard_sequences(model, cfg.model, batch.shard(dist.get_rank()), unit)
     choice = compile_choice(cfg.trainer.compile)  # validated by lmsys.core.config
     compiled = wants_compile(choice, device)
     if compiled:  # before DeepSpeed wraps it (and registers its ZeRO-3 hooks)
@@ -363,6 +380,7 @@ def initialize(
         optimizer=client_opt,
         model_parameters=groups,
         config=ds_config,
+        mpu=unit,
         dist_init_required=False,
     )
     info = EngineInfo(
@@ -376,6 +394,8 @@ def initialize(
         offload_param=cfg.deepspeed.offload_param,
         compiled=compiled,
         compile_strict=choice == "true",
+        sequence_parallel=batch.sequence_parallel,
+        averaged_ranks=averaged_ranks(cfg.deepspeed.stage, batch),
     )
     return engine, info, ds_config
 

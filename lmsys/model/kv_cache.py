@@ -46,6 +46,17 @@ def document_span(documents: torch.Tensor) -> CacheSpan:
     return CacheSpan(0, None, document_positions(documents), clamped=True, documents=documents)
 
 
+def row_part_span(start: int, t: int, documents: torch.Tensor | None = None) -> CacheSpan:
+    """t tokens that stand at positions start .. start + t - 1 of longer rows (sequence parallelism:
+    each rank holds a part of every row). With the whole rows' `documents` (B, T) their positions
+    count from their document's first token, and the documents reach attention whole: an attention
+    that reads the whole rows' keys (lmsys.engine.sequence_parallel gathers them) masks by them."""
+    if documents is None:
+        return CacheSpan(start, None, None)
+    positions = document_positions(documents)[:, start : start + t]  # (B, t)
+    return CacheSpan(start, None, positions, clamped=True, documents=documents)
+
+
 def document_positions(documents: torch.Tensor) -> torch.Tensor:  # (B, t) -> (B, t)
     """Each token's position in its document: its index minus the index of its document's first
     token (a row's first token starts a document; documents are contiguous runs of one id)."""

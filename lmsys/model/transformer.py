@@ -245,7 +245,22 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.store(layer, k, v)  # (B, Hkv, Tk, d): every key the new tokens may attend to
             query_slots = cache.query_slots
-        heads = ops.attention(
+        heads = self.attend(q, k, v, key_mask, query_slots, documents)  # (B, H, T, d_vo)
+        heads = heads.transpose(1, 2).reshape(b, t, self.n_heads * self.d_vo)  # (B, T, H*d_vo)
+        return self.w_o(heads)  # (B, T, D)
+
+    def attend(
+        self,
+        q: torch.Tensor,  # (B, H, Tq, d_qk)
+        k: torch.Tensor,  # (B, Hkv, Tk, d_qk)
+        v: torch.Tensor,  # (B, Hkv, Tk, d_vo)
+        key_mask: torch.Tensor | None = None,
+        query_slots: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # (B, H, Tq, d_vo)
+        """The attention of projected heads with this layer's settings (ops.attention). Parallelism
+        applied from outside may wrap it per instance (lmsys.engine.sequence_parallel)."""
+        return ops.attention(
             q,
             k,
             v,
@@ -256,9 +271,7 @@ class Attention(nn.Module):
             key_mask=key_mask,
             query_slots=query_slots,
             documents=documents,
-        )  # (B, H, T, d_vo)
-        heads = heads.transpose(1, 2).reshape(b, t, self.n_heads * self.d_vo)  # (B, T, H*d_vo)
-        return self.w_o(heads)  # (B, T, D)
+        )
 
 
 # ----------------------------------------------------------------------------- feed-forward
@@ -507,15 +520,31 @@ class Transformer(nn.Module):
         t = ids.shape[1]
         if documents is not None:
             check_documents(documents, ids, cache, mask)
-            self.positions(0, t)  # the window's check: a document's positions are below t
             span = document_span(documents)  # (its positions need no check: compiles whole)
         else:
             span = cache.begin(mask, t) if cache is not None else uncached_span(mask, t)
-        x = self.tok_emb(ids)  # (B, T, D)
+        return self.span_states(ids, span, cache)
+
+    def span_states(
+        self,
+        ids: torch.Tensor,  # (B, t) LongTensor
+        span: CacheSpan,
+        cache: KVCache | StaticKVCache | None = None,
+    ) -> torch.Tensor:  # (B, t, D)
+        """The last hidden states of `ids` standing where `span` says: their positions (span.start + i,
+        or span.row_positions) and what they attend to (span.key_mask, span.documents). hidden_states
+        resolves the span of whole rows, a padded batch or a cache's next tokens; a part of longer
+        rows has its own (kv_cache.row_part_span)."""
+        t = ids.shape[1]
+        x = self.tok_emb(ids)  # (B, t, D)
+        if span.documents is not None:
+            # the whole rows' window: its check (a document's positions are below it) and, through
+            # the module's call, ZeRO-3's gather of the table that per_row reads
+            self.positions(0, span.documents.shape[1])
         if span.row_positions is None:
-            pos = self.positions(span.start, t)  # (T, D)
+            pos = self.positions(span.start, t)  # (t, D)
         else:  # every row numbered on its own
-            pos = self.positions.per_row(span.row_positions, checked=not span.clamped)  # (B, T, D)
+            pos = self.positions.per_row(span.row_positions, checked=not span.clamped)  # (B, t, D)
         if pos is not None:
             x = x + pos.to(x.dtype)
         rope = self.positions.rotation(span, t, x.dtype, x.device)  # (cos, sin) of rotary models
@@ -525,7 +554,7 @@ class Transformer(nn.Module):
             x = self.final_norm(x)
         if cache is not None:
             cache.advance(t)
-        return x  # (B, T, D)
+        return x  # (B, t, D)
 
     def loss(
         self,

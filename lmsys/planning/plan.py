@@ -10,7 +10,8 @@ it (NON_PYTORCH_BYTES); on a CPU, glibc's arenas (CPU_MARGIN, an assumption).
 Time, on a GPU: the model's FLOPs (PaLM's count, plus the blocks' forward again under activation
 checkpointing) over the device's dense peak at its family's MFU assumption (lmsys.core.devices),
 ZeRO's communication assumed overlapped (it counts only when slower), offload's host Adam and
-PCIe copies in series (offload_time_s). Evaluations take the forward's third of the FLOPs at the
+PCIe copies in series (offload_time_s), and under sequence parallelism the all-to-alls of every
+layer in series (exchange_time_s). Evaluations take the forward's third of the FLOPs at the
 same rate. On a CPU the plan gives no time: lmsys-train's progress measures it.
 """
 
@@ -25,8 +26,9 @@ from lmsys.core.config import Config
 from lmsys.core.console import evaluations_after
 from lmsys.core.devices import GIB, Device
 from lmsys.core.errors import ConfigError, LmsysError
-from lmsys.core.runtime import BatchSplit, split_batch
+from lmsys.core.runtime import BatchSplit, sequence_parallel_sizes, split_batch
 from lmsys.data.shards import PreparedData
+from lmsys.engine.sequence_parallel import exchanged_elements
 from lmsys.planning.trace import StepTrace, trace_step
 from lmsys.planning.zero import StepMemory, step_memory
 
@@ -186,11 +188,23 @@ def offload_time_s(cfg: Config, world: int, device: Device, batch: BatchSplit, n
     return host_s + copied / device.pcie_bytes_per_s
 
 
+def exchange_time_s(cfg: Config, device: Device, batch: BatchSplit) -> float:
+    """Seconds a step spends in sequence parallelism's all-to-alls on a GPU, per rank: every
+    layer's forward and backward (and recomputed forward) exchange, in series with the compute,
+    over the node's links (a group stays within a node). 0 without it and on a CPU."""
+    if device.kind != "cuda" or batch.sequence_parallel == 1:
+        return 0.0
+    passes = batch.grad_accum * (3 if cfg.deepspeed.activation_checkpointing else 2)
+    elements = exchanged_elements(cfg.model, batch.rank_tokens, batch.sequence_parallel)
+    p = 4 if precision_of(cfg, device) == "fp32" else 2
+    return passes * cfg.model.n_layers * elements * p / (device.link_bytes_per_s or INTER_NODE_BYTES_PER_S)
+
+
 def step_time(
     cfg: Config, world: int, device: Device, batch: BatchSplit, trace: StepTrace
 ) -> tuple[float | None, float, float | None, str]:
     """(seconds per optimizer step or None, FLOPs per step per rank, MFU, where the time comes from)."""
-    tokens = batch.micro_batch_size * batch.seq_len * batch.grad_accum  # per rank per step
+    tokens = batch.rank_tokens * batch.grad_accum  # per rank per step (T/P per sequence under P)
     flops = float((trace.flops_per_token + trace.recompute_flops_per_token) * tokens)
     if device.kind == "cpu" or device.peak_flops is None or device.mfu is None:
         why = "a CPU" if device.kind == "cpu" else f"{device.label}: no known peak FLOP/s"
@@ -208,9 +222,12 @@ def step_time(
     comm = ring * (batch.grad_accum if stage >= 2 else 1) + (ring * batch.grad_accum if stage == 3 else 0)
     link = device.link_bytes_per_s if world <= device.gpus_per_node else INTER_NODE_BYTES_PER_S
     offload = offload_time_s(cfg, world, device, batch, trace.n_params)
-    seconds = max(compute, comm / (link or INTER_NODE_BYTES_PER_S)) + offload
+    exchange = exchange_time_s(cfg, device, batch)
+    seconds = max(compute, comm / (link or INTER_NODE_BYTES_PER_S)) + offload + exchange
     source = f"MFU {device.mfu.value:.0%} assumed on {device.label} ({device.mfu.source}); "
     source += "communication overlapped"
+    if exchange:
+        source += f"; sequence parallelism's all-to-alls add {exchange:.3g} s a step, not overlapped"
     if offload:
         source += f"; offload adds {offload:.3g} s a step (host Adam and PCIe copies, not overlapped)"
     return seconds, flops, flops / seconds / peak, source
@@ -231,10 +248,10 @@ def evaluation(
             sequences = len(val) // batch.tokens_per_sample
         except (LmsysError, OSError):  # not prepared here: the plan cannot count the split
             return None, None
-        forwards = -(-sequences // (batch.micro_batch_size * batch.world_size))
+        forwards = -(-sequences // (batch.micro_batch_size * batch.data_parallel))
     if device.kind == "cpu" or device.peak_flops is None or device.mfu is None:
         return forwards, None
-    flops = trace.flops_per_token / 3 * forwards * batch.micro_batch_size * batch.seq_len
+    flops = trace.flops_per_token / 3 * forwards * batch.rank_tokens
     return forwards, flops / (device.peak_flops * device.mfu.value)
 
 
@@ -287,15 +304,19 @@ def _candidates(cfg: Config, world: int) -> list[tuple[str, Config]]:
     t, ds = cfg.trainer, cfg.deepspeed
     found: list[tuple[str, Config]] = []
     sequences, micro = t.global_batch_tokens // cfg.data.seq_len, t.micro_batch_size
+    groups = world // t.sequence_parallel  # the ranks that read different sequences
     while micro > 1:
         micro //= 2
-        if sequences % (micro * world) == 0:
-            accum = sequences // (micro * world)
+        if sequences % (micro * groups) == 0:
+            accum = sequences // (micro * groups)
             change = f"trainer.micro_batch_size={micro} (accumulation {accum})"
             found.append((change, _with(cfg, trainer={"micro_batch_size": micro})))
     if not ds.activation_checkpointing:
         change = "deepspeed.activation_checkpointing=true"
         found.append((change, _with(cfg, deepspeed={"activation_checkpointing": True})))
+    sizes = [size for size in sequence_parallel_sizes(cfg, world) if size > t.sequence_parallel]
+    for size in sizes:  # each rank holds T/P of every sequence
+        found.append((f"trainer.sequence_parallel={size}", _with(cfg, trainer={"sequence_parallel": size})))
     if cfg.model.loss_impl == "full":
         found.append(("model.loss_impl=chunked", _with(cfg, model={"loss_impl": "chunked"})))
     for stage in range(ds.stage + 1, 4):
@@ -312,10 +333,11 @@ def _candidates(cfg: Config, world: int) -> list[tuple[str, Config]]:
                 _with(cfg, deepspeed=offload_all),
             )
         )
-    smallest = next((m for m in (1, 2, 4) if sequences % (m * world) == 0), t.micro_batch_size)
+    widest = max(sizes, default=t.sequence_parallel)
+    smallest = next((m for m in (1, 2, 4) if sequences % (m * world // widest) == 0), t.micro_batch_size)
     everything = _with(
         cfg,
-        trainer={"micro_batch_size": min(smallest, t.micro_batch_size)},
+        trainer={"micro_batch_size": min(smallest, t.micro_batch_size), "sequence_parallel": widest},
         deepspeed={"activation_checkpointing": True, **offload_all},
         model={"loss_impl": "chunked" if cfg.model.loss_impl == "full" else cfg.model.loss_impl},
     )

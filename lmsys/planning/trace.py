@@ -12,6 +12,12 @@ buffers, the backward's transients), the gradient elements formed so far (each p
 gradient is counted, then dropped: ZeRO's arithmetic in lmsys.planning.zero decides where it
 goes), and the parameter elements the step has used so far (what ZeRO-3 has gathered).
 
+Under sequence parallelism (trainer.sequence_parallel=P) the traced module is the one a rank
+runs: lmsys.engine.sequence_parallel's sharded loss of rank 0 of a group, fed whole rows, each
+layer's attention in the local stand-in of the exchange (the same reshapes and copies around each
+all-to-all, the all-to-all itself a copy), so the activations are those of T/P positions, each
+attending over all T with H/P heads.
+
 The ops are those the target runs. A CPU target's fake tensors are on the CPU, so torch chooses its
 CPU kernels (scaled_dot_product_attention's CPU flash path). Fake CUDA tensors cannot run autograd
 in a CPU build of torch, so a GPU target's are on the meta device and answer `is_cuda` as a GPU's
@@ -37,6 +43,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary, weakref
 
 from lmsys.core.config import Config, tokens_per_sample
+from lmsys.core.runtime import SequenceShard
+from lmsys.engine.sequence_parallel import shard_sequences
 from lmsys.engine.zero import apply_activation_checkpointing
 from lmsys.model.transformer import Transformer
 
@@ -171,6 +179,7 @@ def trace_step(cfg: Config, cuda: bool, precision: str, micro_batch: int) -> Ste
         cfg.data.seq_len,
         cfg.deepspeed.activation_checkpointing,
         cfg.data.document_masking,
+        cfg.trainer.sequence_parallel,
         cuda,
         precision,
         micro_batch,
@@ -191,6 +200,10 @@ def _trace(cfg: Config, cuda: bool, precision: str, micro_batch: int) -> StepTra
             block.forward = _answering_cuda(block.forward)
     if cfg.deepspeed.activation_checkpointing:
         apply_activation_checkpointing(model)
+    compute: Callable[..., torch.Tensor] = model.loss  # a rank's loss, as lmsys.engine.zero builds it
+    if cfg.trainer.sequence_parallel > 1:  # rank 0 of a group; the exchange a local stand-in
+        shard = SequenceShard(0, cfg.trainer.sequence_parallel)
+        compute = shard_sequences(model, cfg.model, shard, unit=None)
     params = list(model.parameters())
     counter = _StepCounter(params, CUDA_BLOCK if cuda else 1)
     for p in params:
@@ -207,7 +220,8 @@ def _trace(cfg: Config, cuda: bool, precision: str, micro_batch: int) -> StepTra
         tokens = torch.zeros(shape, dtype=torch.long, device=device)  # (B, S), as the loader's
         # packed rows carry their documents (B, S) to every block, as the loader's batches do
         documents = torch.zeros(shape, dtype=torch.long, device=device) if cfg.data.document_masking else None
-        loss = model.loss(tokens, torch.ones(shape, dtype=torch.float32, device=device), documents)
+        weights = torch.ones(shape, dtype=torch.float32, device=device)  # (B, S)
+        loss = compute(tokens, weights, documents)
         counter.mark()  # what the forward leaves for the backward
         backward_start = len(counter.points)
         loss.backward()

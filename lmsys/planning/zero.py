@@ -11,7 +11,8 @@ its 0.19 source, and on CPU off allocation traces of real runs: docs/planning.md
   partition (ZeRO-0 in fp32: 8, the weights are the master);
 - gradients: those kept between micro-batches, and those the backward forms: ZeRO-0/1 keep
   every gradient until the step; ZeRO-2/3 move them into a bucket of `reduce_bucket_size`
-  elements, reduced when full (a CUDA run's buckets are preallocated, two with overlap_comm);
+  elements, reduced when full (a CUDA run's buckets are preallocated, two with overlap_comm,
+  when DeepSpeed keeps the gradients contiguous: lmsys.engine.zero.contiguous_gradients);
 - zero_buffers: the reductions' copies (ZeRO-0 up to 5e8 elements at once, ZeRO-1 a bucket, ZeRO-2
   the bucket's averaged copy, ZeRO-3 its reduce-scatter copy and the contiguous bucket) and
   ZeRO-3's gathered parameters (2+ ranks: used and not yet released, i.e. whose gradient is not
@@ -35,6 +36,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lmsys.core.config import Config
+from lmsys.engine.zero import contiguous_gradients
 from lmsys.planning.trace import StepTrace, _StepCounter
 
 DS_ALLREDUCE_ELEMENTS = 500_000_000  # ZeRO-0 all-reduces flattened gradients this many at a time
@@ -76,7 +78,8 @@ def step_memory(trace: StepTrace, cfg: Config, world: int, cuda: bool, p: int, g
     part = math.ceil(n / world) if stage else n  # DeepSpeed pads the partitions equal
     offload = cuda and ds.offload_optimizer and stage >= 1
     bucket = min(ds.reduce_bucket_size, n)
-    preallocated = cuda and stage >= 2 and (ds.contiguous_gradients or ds.offload_optimizer)
+    contiguous = contiguous_gradients(cfg, cfg.trainer.sequence_parallel, cuda)
+    preallocated = cuda and stage >= 2 and (contiguous or ds.offload_optimizer)
     buckets = ds.reduce_bucket_size * p * (2 if ds.overlap_comm else 1) if preallocated else 0
     accumulating = grad_accum > 1
     gathering = stage == 3 and world > 1

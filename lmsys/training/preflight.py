@@ -270,7 +270,9 @@ def agree_on_start(
 
 
 def train_loader(cfg: Config, setup: Setup, data: PreparedData) -> TokenLoader:
-    """This rank's share of the training split, cut as the batch split says."""
+    """This rank's share of the training split, cut as the batch split says: under sequence
+    parallelism its group's (the groups are the loader's ranks; each rank's part of every sequence
+    is the engine's to cut: lmsys.engine.sequence_parallel)."""
     batch = setup.batch
     return TokenLoader(
         data,
@@ -278,8 +280,8 @@ def train_loader(cfg: Config, setup: Setup, data: PreparedData) -> TokenLoader:
         tokens_per_sample=batch.tokens_per_sample,
         global_batch_size=batch.global_batch_sequences,
         micro_batch_size=batch.micro_batch_size,
-        rank=setup.rank,
-        world_size=setup.world_size,
+        rank=setup.rank // batch.sequence_parallel,
+        world_size=batch.data_parallel,
         seed=cfg.trainer.seed,
         mask_doc_boundaries=cfg.data.mask_doc_boundaries,
         document_masking=cfg.data.document_masking,

@@ -169,6 +169,7 @@ class Reporter:
             (info.offload_optimizer, ", offload optimizer"),
             (info.offload_param, ", offload params"),
             (cfg.trainer.deterministic, ", deterministic"),
+            (info.sequence_parallel > 1, f", Ulysses sequence parallel {info.sequence_parallel}"),
         ]
         first, last = start_step + 1, cfg.trainer.max_steps
         steps = f"steps {first}..{last}"

@@ -165,10 +165,10 @@ class Trainer:
     # -- one optimizer step -------------------------------------------------------------------
 
     def _prediction_weight(self, batch: Batch) -> float:
-        """The sum of the loss weights the model's objective uses for this micro-batch."""
+        """The sum of the loss weights of this rank's positions of the micro-batch (its part of them)."""
         _, _, weights = next_token_pairs(self.cfg.model, batch.tokens, batch.weights, batch.documents)
         assert weights is not None
-        return float(weights.sum().item())
+        return float(self.setup.batch.shard(self.setup.rank).part(weights).sum().item())
 
     def _global_weight(self, weights: list[float], loader_step: int) -> float:
         """The loss weights of the whole step, over every rank's micro-batches."""
@@ -195,7 +195,7 @@ class Trainer:
         weights = [self._prediction_weight(b) for b in step.batches]
         global_weight = self._global_weight(weights, step.data_step)
         step.scales = [w / global_weight if global_weight > 0 else 0.0 for w in weights]
-        micro_batches = batch.grad_accum * self.setup.world_size
+        micro_batches = batch.grad_accum * self.engine_info.averaged_ranks
         totals = torch.zeros(3, dtype=torch.float64, device=device)  # (weighted loss, preempt, interrupt)
         for i, micro in enumerate(step.batches):
             hooks.at(n, "forward", i)
@@ -203,8 +203,8 @@ class Trainer:
             loss = engine(on_device.tokens, on_device.weights, on_device.documents)
             loss = hooks.after_forward(n, i, loss)
             totals[0] += loss.detach().double() * weights[i]
-            # DeepSpeed averages the micro-batch gradients of all ranks: scaling each by its share
-            # of the step's weights times their count makes that average the weighted mean's.
+            # DeepSpeed averages the micro-batch gradients over EngineInfo.averaged_ranks: scaling each
+            # by its share of the step's weights times that count makes the average the weighted mean's.
             scale = weights[i] * micro_batches / global_weight if global_weight > 0 else 0.0
             hooks.at(n, "backward", i)
             engine.backward(loss if scale == 1.0 else loss * scale)

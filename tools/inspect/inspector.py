@@ -262,7 +262,7 @@ def case_name(case: Case, launch: KernelLaunch) -> str:
         variant = (f"-gqa{case.group}" if case.group > 1 else "") + ("-docs" if case.docs else "")
         return f"dqk{case.d_qk}-dvo{case.d_vo}-{'causal' if case.causal else 'full'}{variant}-{loads}"
     if case.family == "rope":
-        return f"d{case.d_qk}-h{ROPE_HEADS[0]}/{ROPE_HEADS[1]}"
+        return f"d{case.d_qk}-h{ROPE_HEADS[0]}-kv{ROPE_HEADS[1]}"
     if case.family == "lce":
         variant = ("-bias" if case.bias else "") + ("" if case.grads else "-eval")
         return f"d{case.width}-v{LCE_VOCAB}{variant}"
@@ -443,7 +443,11 @@ def row_key(row: dict) -> tuple[str, str, str, str, str]:
 
 def run_tasks(tasks: list[Task], jobs: int) -> list[dict]:
     rows = []
-    with tempfile.TemporaryDirectory(prefix="kernels-inspect-cache-") as cache_dir:
+    # the workers stop before their cache goes: a failed compilation's own error is what is
+    # reported, not the cache's removal under a worker still writing to it
+    cache = tempfile.TemporaryDirectory(prefix="kernels-inspect-cache-", ignore_cleanup_errors=True)
+    with cache as cache_dir:
+        pool = None
         if jobs <= 1:
             _worker_init(cache_dir)
             results = map(run_task, tasks)
@@ -453,13 +457,15 @@ def run_tasks(tasks: list[Task], jobs: int) -> list[dict]:
             )
             results = pool.map(run_task, tasks, chunksize=1)
         start = time.perf_counter()
-        for i, row in enumerate(results, 1):
-            rows.append(row)
-            if i % 20 == 0 or i == len(tasks):
-                elapsed = time.perf_counter() - start
-                print(f"  compiled {i}/{len(tasks)} ({elapsed:.0f} s)", file=sys.stderr, flush=True)
-        if jobs > 1:
-            pool.shutdown()
+        try:
+            for i, row in enumerate(results, 1):
+                rows.append(row)
+                if i % 20 == 0 or i == len(tasks):
+                    elapsed = time.perf_counter() - start
+                    print(f"  compiled {i}/{len(tasks)} ({elapsed:.0f} s)", file=sys.stderr, flush=True)
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
     return rows
 
 

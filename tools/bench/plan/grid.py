@@ -9,7 +9,8 @@ per row, the plan's tensors per rank (lmsys-plan on this machine's CPU) beside t
 tensors the run allocated (`TensorPeak`, the largest rank's, through its second step), with the
 error, the worst and the median. held_out=true runs five rows of smollm2_135m, a preset in no grid
 row; smoke=true three small 1-rank rows. predict=true prints the GPT-2 GPU prediction table of
-docs/planning.md instead (no runs). Data: a synthetic prepared directory per vocabulary
+docs/planning.md instead (no runs), context=true its longest-context table under sequence
+parallelism (no runs). Data: a synthetic prepared directory per vocabulary
 (tools.bench.train's), so no corpus is needed.
 
 The measurement is CUDA's max_memory_allocated on a CPU: torch's profiler reports every
@@ -48,6 +49,7 @@ OPTIONS = [
     Option("only", "str", None, "run the rows whose name contains this"),
     Option("timeout", "int", 900, "seconds per run"),
     Option("predict", "bool", False, "print the GPU prediction table of docs/planning.md instead (no runs)"),
+    Option("context", "bool", False, "print docs/planning.md's longest context per GPU instead (no runs)"),
 ]
 # The shrunk presets: (vocabulary, overrides).
 SHRINK = {
@@ -263,6 +265,48 @@ def prediction_table() -> str:
     return "\n".join(lines)
 
 
+CONTEXT_MODELS = ("llama3_2_1b", "gpt2_350m")
+CONTEXT_STEP = 8192  # the table's contexts are multiples of this many tokens
+
+
+def context_plan(model: str, size: int, length: int, world: int = 8) -> Any:
+    """The plan of one sequence per group and step of `length` tokens on `world` H100s at
+    sequence-parallel size `size`: ZeRO-3, activation checkpointing, the configured loss."""
+    cfg = compose([f"model={model}", f"data.seq_len={length}", f"model.max_seq_len={length}",
+                   f"trainer.sequence_parallel={size}", "trainer.micro_batch_size=1",
+                   f"trainer.global_batch_tokens={world * length // size}", "deepspeed=zero3",
+                   "deepspeed.activation_checkpointing=true"])  # fmt: skip
+    return plan_launch(cfg, world, device_spec("h100"), suggest=False)
+
+
+def context_table() -> str:
+    """Per model and P = 1, 2, 4, 8 on 8 H100: the longest multiple of CONTEXT_STEP tokens whose
+    predicted peak fits (a bisection over the plan's peak, which grows with the context)."""
+    lines = [
+        "| model | P | longest T | predicted peak per GPU | predicted step time | tokens/s (all GPUs) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for model in CONTEXT_MODELS:
+        for size in (1, 2, 4, 8):
+            low, high = 0, 1
+            while context_plan(model, size, high * CONTEXT_STEP).fits:
+                low, high = high, 2 * high
+            while high - low > 1:  # low fits (or is 0), high does not
+                middle = (low + high) // 2
+                low, high = (
+                    (middle, high) if context_plan(model, size, middle * CONTEXT_STEP).fits else (low, middle)
+                )
+            if low == 0:
+                lines.append(f"| {model} | {size} | none | - | - | - |")
+                continue
+            plan = context_plan(model, size, low * CONTEXT_STEP)
+            lines.append(
+                f"| {model if size == 1 else ''} | {size} | {low * CONTEXT_STEP:,} | "
+                f"{plan.peak_bytes / 2**30:.2f} GiB | {plan.step_time_s:,.0f} s | {plan.tokens_per_s:,.0f} |"
+            )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
 
@@ -270,8 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         opts = parse_options(PROG, argv, OPTIONS, __doc__ or "")
         if opts is None:
             return 0
-        if opts["predict"]:
-            print(prediction_table())
+        if opts["predict"] or opts["context"]:
+            print(prediction_table() if opts["predict"] else context_table())
             return 0
         rows = SMOKE if opts["smoke"] else HELD_OUT if opts["held_out"] else GRID
         rows = [r for r in rows if not opts["only"] or opts["only"] in r.name]
