@@ -220,8 +220,7 @@ def _trace(cfg: Config, cuda: bool, precision: str, micro_batch: int) -> StepTra
         tokens = torch.zeros(shape, dtype=torch.long, device=device)  # (B, S), as the loader's
         # packed rows carry their documents (B, S) to every block, as the loader's batches do
         documents = torch.zeros(shape, dtype=torch.long, device=device) if cfg.data.document_masking else None
-        weights = torch.ones(shape, dtype=torch.float32, device=device)  # (B, S)
-        loss = compute(tokens, weights, documents)
+        loss = compute(tokens, torch.ones(shape, dtype=torch.float32, device=device), documents)
         counter.mark()  # what the forward leaves for the backward
         backward_start = len(counter.points)
         loss.backward()

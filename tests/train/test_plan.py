@@ -17,7 +17,8 @@ import torch
 from lmsys.core.config import compose
 from lmsys.core.console import Console
 from lmsys.core.devices import GPUS, device_spec
-from lmsys.core.runtime import Setup
+from lmsys.core.runtime import SequenceShard, Setup
+from lmsys.engine.sequence_parallel import shard_sequences
 from lmsys.interop.export_dir import write_export
 from lmsys.model.transformer import Transformer
 from lmsys.planning import trace as traced
@@ -64,16 +65,23 @@ LLAMA_DOCUMENTS = [
 ]
 
 
+@pytest.mark.parametrize("size", [1, 2], ids=["whole", "sequence-parallel-2"])
 @pytest.mark.parametrize("family", [[], LLAMA_DOCUMENTS], ids=["gpt", "llama-documents"])
-def test_the_trace_is_the_steps_own_allocations(family):
+def test_the_trace_is_the_steps_own_allocations(family, size):
     """The fake-tensor trace of a step against the same counter over the same step on real CPU
     tensors: the same peaks, the same bytes alive when the backward starts and ends, the gradients
     formed and the parameters used in the same order; for the GPT block and for the Llama family's
-    (rotary, RMS norm, grouped-query heads, SwiGLU) on packed documents."""
-    cfg = compose([*SMALL, *family, "deepspeed.activation_checkpointing=true"])
+    (rotary, RMS norm, grouped-query heads, SwiGLU) on packed documents; and for a rank of a
+    sequence-parallel group of 2 (its T/2 positions, the exchange's local stand-in)."""
+    cfg = compose(
+        [*SMALL, *family, "deepspeed.activation_checkpointing=true", f"trainer.sequence_parallel={size}"]
+    )
     fake = traced.trace_step(cfg, False, "fp32", 2)
     model = Transformer(cfg.model)
     traced.apply_activation_checkpointing(model)
+    compute = model.loss
+    if size > 1:
+        compute = shard_sequences(model, cfg.model, SequenceShard(0, size), unit=None)
     params = list(model.parameters())
     counter = traced._StepCounter(params, 1)
     for p in params:
@@ -82,7 +90,7 @@ def test_the_trace_is_the_steps_own_allocations(family):
     with counter:
         tokens = torch.zeros(shape, dtype=torch.long)  # as the trace's
         documents = torch.zeros(shape, dtype=torch.long) if cfg.data.document_masking else None
-        loss = model.loss(tokens, torch.ones(shape), documents)
+        loss = compute(tokens, torch.ones(shape), documents)
         counter.mark()
         start = len(counter.points)
         loss.backward()
