@@ -1,7 +1,7 @@
 # The two commands of the README:
 #   make train   the main job: prepare the default corpus, train the tiny model on 2 CPU processes
 #                with ZeRO-2, export it and print a generated sample
-#   make test    the test suite (what CI runs)
+#   make test    the test suite, both tiers (what CI runs); `make test-fast` the unit tier alone
 # Each target sets itself up from nothing: a virtual environment in .venv, torch first (so the
 # local CPU wheel, or the cluster's CUDA build, is used instead of pip choosing one), then lmsys.
 
@@ -11,7 +11,7 @@ TORCH ?= torch==2.13.0
 NPROC ?= 2
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: train test setup lint bench inspect clean
+.PHONY: train test test-fast setup lint bench inspect clean
 
 # INSTALLER=uv (default) resolves and installs lmsys's ~130 other packages with uv, in parallel:
 # about 45 s against pip's 110 s on 2 cores (docs/performance.md). uv reads no pip.conf: where
@@ -46,18 +46,23 @@ train: $(VENV)/.installed
 	$(PY) -m lmsys.export $(RUN)
 	$(PY) -m lmsys.generate $(RUN)/export prompt="$(PROMPT)" max_new_tokens=60 temperature=0.8 top_k=40 seed=0
 
-# The suite runs in 3 pytest-xdist workers (tests/sharing.py: each test module whole on one worker,
-# the longest first, the expensive session fixtures made once for all): 18-28 min of pytest on
-# 2 cores, as the machine's speed varies (CPU-bound: 35-54 CPU-min); one process leaves a third of
-# them idle (docs/performance.md). TEST_WORKERS=0 runs one
-# process (a debugger, -x, a single module's output in order).
+# The suite has two tiers (docs/DESIGN.md, "Testing without a GPU"): tests/unit, in-process and
+# fast, for the edit loop (`make test-fast`), and tests/integration, the real launches, the commands
+# end to end and the docs' commands. `make test` (CI) runs both in 3 pytest-xdist workers, each
+# test module whole on one worker (pyproject.toml); it is bound by CPU on 2 cores
+# (docs/performance.md). TEST_WORKERS=0 runs one process (a debugger, -x, one module's output in
+# order).
 TEST_WORKERS ?= 3
 # compileall first: where PYTHONDONTWRITEBYTECODE is set (as on our build machines) no process
 # caches lmsys's bytecode, and each of the suite's ~400 Python processes would compile its
 # modules again (about 0.2 CPU-s each); a stale .pyc is recompiled in memory as before.
 test: $(VENV)/.installed
 	$(PY) -m compileall -q lmsys kernels launch tools
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25 $(PYTEST_ARGS)
+
+# The unit tier and the repository's own checks (tests/test_*.py): everything but tests/integration.
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=10 --ignore=tests/integration $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -33,7 +33,7 @@ descriptors when their layout allows (16-byte aligned base and strides, unit las
 elsewhere, and on sm_80, through pointers (cp.async). Under the Triton CPU
 interpreter (TRITON_INTERPRET=1) tuning would run every config through a Python emulator, so
 one small fixed tiling (`INTERPRETER_TILES`) is used instead; the kernel code is the same on
-both, and the interpreter also runs the descriptor path (tests/kernels/test_attention_paths.py).
+both, and the interpreter also runs the descriptor path (tests/unit/kernels/test_attention_paths.py).
 """
 
 from __future__ import annotations
@@ -1081,7 +1081,8 @@ def _launch_capability(device: torch.device) -> int | None:
 def _shared_bytes(kind: str, block_m: int, block_n: int, num_stages: int, meta: dict, elem: int) -> int:
     """Shared memory a config needs, estimated from its tiles: those resident for the whole
     program, `num_stages` copies of the streamed ones and one (BLOCK_M, BLOCK_N) tile for P / dS.
-    An upper bound of what the compiler allocates (tests/tools/test_inspect.py checks it)."""
+    An upper bound of what the compiler allocates (tests/integration/tools/test_inspect_subset.py
+    checks it)."""
     dqk, dvo = meta["BLOCK_DQK"], meta["BLOCK_DVO"]
     if kind == "fwd":  # Q resident; K, V streamed
         resident, streamed = block_m * dqk, block_n * (dqk + dvo)

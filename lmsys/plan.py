@@ -36,7 +36,7 @@ from lmsys.core.config import compose, config_keys
 from lmsys.core.devices import device_spec
 from lmsys.core.errors import UsageError
 from lmsys.model.ops import prepare_kernels
-from lmsys.planning.plan import plan_launch
+from lmsys.planning.planner import plan_launch
 from lmsys.planning.report import report_lines
 
 PROG = "lmsys-plan"

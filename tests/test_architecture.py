@@ -15,6 +15,7 @@
 - Triton's interpreter switch (the TRITON_INTERPRET variable, triton.knobs' interpreter flag) is
   read and set in kernels/runtime.py alone;
 - no package directory holds more than 15 modules;
+- no two modules of lmsys/ share a basename (`__init__` and `__main__` aside): one meaning per name;
 - one owner of the run directory (lmsys/core/rundir.py): no other module of lmsys/ or launch/ spells
   a run file's name or a metrics.jsonl record's field.
 """
@@ -363,6 +364,33 @@ def test_package_sizes():
             if len(modules) > MAX_PACKAGE_MODULES:
                 crowded[str(directory.relative_to(REPO))] = len(modules)
     assert crowded == {}
+
+
+def _shared_basenames(modules: dict[str, Path]) -> dict[str, list[str]]:
+    """Module basename -> the modules that bear it, where more than one does (__init__ and
+    __main__ are every package's)."""
+    bearers: dict[str, list[str]] = {}
+    for name, path in modules.items():
+        if path.stem not in ("__init__", "__main__"):
+            bearers.setdefault(path.stem, []).append(name)
+    return {stem: names for stem, names in bearers.items() if len(names) > 1}
+
+
+# One meaning per name: a reader who opens `harness.py` finds the one module called so.
+def test_no_two_modules_share_a_basename():
+    assert _shared_basenames({n: p for n, p in MODULES.items() if n.split(".")[0] == "lmsys"}) == {}
+
+
+def test_the_basename_check_sees_a_shared_name():
+    modules = {
+        "lmsys.a.plan": Path("lmsys/a/plan.py"),
+        "lmsys.b.plan": Path("lmsys/b/plan.py"),
+        "lmsys.a": Path("lmsys/a/__init__.py"),
+        "lmsys.b": Path("lmsys/b/__init__.py"),
+        "lmsys.sweep.__main__": Path("lmsys/sweep/__main__.py"),
+        "lmsys.__main__": Path("lmsys/__main__.py"),
+    }
+    assert _shared_basenames(modules) == {"plan": ["lmsys.a.plan", "lmsys.b.plan"]}
 
 
 # ----------------------------------------------------------------------------- the run directory's one owner

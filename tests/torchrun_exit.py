@@ -1,5 +1,5 @@
-"""How the tests' own torchrun scripts end (tests/train/zero3_save_probe.py,
-tests/export/ds_checkpoints.py): after their files are written and the group is left, without the
+"""How the tests' own torchrun scripts end (tests/integration/training/zero3_save_probe.py,
+tests/integration/export/ds_checkpoints.py): after their files are written and the group is left, without the
 interpreter's shutdown.
 
 dist.destroy_process_group() waits for the collectives in flight, but does not end gloo's threads

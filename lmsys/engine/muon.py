@@ -25,7 +25,7 @@ The auxiliary AdamW is Muon's own inline update (torch ops, AdamW mode), not Dee
 or CPU Adam: those are built only through the JSON path. With the optimizer state offloaded
 (deepspeed=zero3_offload, deepspeed.offload_optimizer=true) this same optimizer steps the
 offloaded fp32 partitions on the CPU (DeepSpeed orthogonalizes the gathered gradients first);
-the losses are those of the run without offload (tests/train/test_muon.py).
+the losses are those of the run without offload (tests/integration/training/test_muon.py).
 
 optim.grad_clip must be 0 under Muon (lmsys.core.config): ZeRO 1-2 write the orthogonalized
 update where the gradient was before clipping, so the reported "grad norm" there is the norm

@@ -11,7 +11,7 @@ full copy of the state to disk first, and it unpickles with `weights_only=False`
 partitions are read in place (memory-mapped, weights-only), one parameter is assembled at a
 time, and each rank copies its own slice into the new engine's partitions. Nothing is
 recomputed or cast on the way (fp32 in, fp32 out), so a resumed run continues with the
-uninterrupted run's losses (tests/train/test_reshard.py).
+uninterrupted run's losses (tests/integration/training/test_reshard.py).
 
 Saved layouts, per checkpoint tag (`W` = the saving world size):
 

@@ -22,7 +22,7 @@ is the piece of highest score, the leftmost of equals first; `tokenizers` merges
 pair of lowest rank, the leftmost of equals first. Ranked by score, they pick the same pair at
 every step, with one exception: two different splits of the same piece mergeable at once
 (pieces X+Y = Y+Z, as "▁▁"+"▁" = "▁"+"▁▁") tie in SentencePiece, and their ranks decide in
-`tokenizers`. No text reaching such a state is known (tests/export/test_hf_tokenizer.py compares
+`tokenizers`. No text reaching such a state is known (tests/unit/interop/test_hf_tokenizer.py compares
 over ten thousand texts); `write_transformers_tokenizer` compares a broad sample and refuses
 to write an export whose ids or text differ anywhere in it.
 

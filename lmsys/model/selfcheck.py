@@ -48,7 +48,7 @@ KERNELS = (
     "linear_cross_entropy",
 )  # fmt: skip
 # (dtype) -> bound, as atol relative to the largest expected magnitude (at least 1) and as rtol:
-# a few times the kernel tests' bounds against float64 (tests/kernels/), far below what a wrong
+# a few times the kernel tests' bounds against float64 (tests/unit/kernels/), far below what a wrong
 # tile, mask or reduction gives (errors of the order of the values themselves).
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 8e-2}
 MAX_TOKENS = 128  # tokens (rows) per call, at most the run's sequence length; attention on a GPU: all

@@ -13,7 +13,7 @@ from lmsys.core.config import Config
 from lmsys.core.devices import Device, cpu_device, this_gpu
 from lmsys.core.errors import ConfigError
 from lmsys.model.ops import prepare_kernels
-from lmsys.planning.plan import Plan, plan_launch
+from lmsys.planning.planner import Plan, plan_launch
 from lmsys.planning.report import evaluation_warning, mib, startup_line
 
 __all__ = ["Plan", "check_plan", "evaluation_warning", "mib", "run_device", "startup_line"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lmsys.core.devices import GIB
-from lmsys.planning.plan import Plan
+from lmsys.planning.planner import Plan
 
 MIB = 1 << 20
 

@@ -9,7 +9,7 @@ it, then the backward. A dispatch mode counts every tensor the step creates from
 returns it until its storage dies (torch.distributed._tools.mem_tracker's bookkeeping), and after
 every op records three numbers: the bytes of the step's own tensors alive (activations, the loss's
 buffers, the backward's transients), the gradient elements formed so far (each parameter's
-gradient is counted, then dropped: ZeRO's arithmetic in lmsys.planning.zero decides where it
+gradient is counted, then dropped: ZeRO's arithmetic in lmsys.planning.zero_memory decides where it
 goes), and the parameter elements the step has used so far (what ZeRO-3 has gathered).
 
 Under sequence parallelism (trainer.sequence_parallel=P) the traced module is the one a rank

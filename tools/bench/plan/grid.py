@@ -37,7 +37,7 @@ from typing import Any
 from lmsys.cli import Option, parse_options, run_cli
 from lmsys.core.config import compose
 from lmsys.core.devices import cpu_device, device_spec
-from lmsys.planning.plan import plan_launch
+from lmsys.planning.planner import plan_launch
 from lmsys.planning.report import mib
 from tools.bench.train import write_synthetic_data
 
