@@ -3,18 +3,24 @@ config, world size and device, before anything starts.
 
     lmsys-plan model=gpt2_1558m trainer=gpt2 optim=gpt2 world=8 device=h100
     lmsys-plan model=gpt2_124m trainer=gpt2 deepspeed=zero3 world=32 device=a100-80gb json=true
+    lmsys-plan model=llama3_2_1b trainer=gpt2 data.seq_len=1024 world=8 device=l40s check=true
     python -m lmsys.plan model=seed_trax trainer.global_batch_tokens=32768 world=2   # this machine's CPU
 
 Arguments: the overrides lmsys-train takes (model=..., deepspeed=zero3, trainer.micro_batch_size=4,
-...), plus
-  world=N         ranks (default 1); the global batch must split into them
-  device=NAME     cpu (this machine; its memory shared by the ranks), a100-40gb, a100-80gb,
-                  h100 (SXM 80GB), h200 (default: cpu)
-  json=true       one JSON object: peak_bytes, components (adding up to peak_bytes), device_bytes,
-                  fits, step_time_s, tokens_per_s, mfu, suggestions, ...
+model.init_from=EXPORT, ...), plus
+  world=N               ranks (default 1); the global batch must split into them
+  device=NAME           cpu (this machine; its memory shared by the ranks; no time), v100-16gb,
+                        v100-32gb, a10g, l4, l40s, rtx3090, rtx4090, a6000, a100-40gb, a100-80gb,
+                        h100, h200 (default: cpu)
+  device_memory=BYTES   each rank's usable memory instead (another card, or a shared one;
+                        trainer.plan_memory_bytes=BYTES, as lmsys-train takes it, does the same)
+  json=true             one JSON object: peak_bytes, components (adding up to peak_bytes),
+                        device_bytes, fits, host_bytes, step_time_s, run_time_s, suggestions, ...
+  check=true            exit 3 when the launch is predicted not to fit (scripts: `|| ...`)
 
-What each component counts, where the figures come from and how accurate they were against
-measured runs: docs/planning.md (the model: lmsys/training/planning.py).
+The memory comes from the model's own forward and backward traced on fake tensors, with ZeRO's
+arithmetic over it; what each component counts, where the figures come from and how accurate
+they were against measured runs: docs/planning.md.
 
 Errors (an unknown device, a world size that does not split the global batch, a config that
 cannot be built) print one line `lmsys-plan: error: ...` and exit 2.
@@ -27,12 +33,15 @@ import sys
 
 from lmsys.cli import flag_as_override, run_cli
 from lmsys.core.config import compose, config_keys
+from lmsys.core.devices import device_spec
 from lmsys.core.errors import UsageError
-from lmsys.training.devices import device_spec
-from lmsys.training.planning import plan_launch, report_lines
+from lmsys.model.ops import prepare_kernels
+from lmsys.planning.planner import plan_launch
+from lmsys.planning.report import report_lines
 
 PROG = "lmsys-plan"
-OWN_KEYS = ("world", "device", "json")
+OWN_KEYS = ("world", "device", "device_memory", "json", "check")
+DOES_NOT_FIT = 3  # check=true's exit status for a launch predicted not to fit
 
 
 def split_arguments(argv: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -47,11 +56,20 @@ def split_arguments(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     return own, overrides
 
 
-def _int(key: str, text: str) -> int:
+def _int(key: str, text: str, least: int) -> int:
     try:
-        return int(text)
+        value = int(float(text)) if "e" in text.lower() else int(text)
     except ValueError:
         raise UsageError(f"{key}={text!r} is not valid; it must be an integer") from None
+    if value < least:
+        raise UsageError(f"{key}={value} must be >= {least}")
+    return value
+
+
+def _bool(key: str, text: str) -> bool:
+    if text.lower() not in ("true", "false", "1", "0"):
+        raise UsageError(f"{key}={text!r} is not valid; use true or false")
+    return text.lower() in ("true", "1")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,19 +82,18 @@ def main(argv: list[str] | None = None) -> int:
         if any(a.startswith("-") for a in argv):  # `--world 8`: name the key=value it means
             flag_as_override(PROG, argv, [*OWN_KEYS, *config_keys()], set())
         own, overrides = split_arguments(argv)
-        world = _int("world", own.get("world", "1"))
-        if world < 1:
-            raise UsageError(f"world={world} must be >= 1")
-        as_json = own.get("json", "false").lower()
-        if as_json not in ("true", "false", "1", "0"):
-            raise UsageError(f"json={as_json!r} is not valid; use true or false")
-        device = device_spec(own.get("device", "cpu"))
-        plan = plan_launch(compose(overrides), world, device)
-        if as_json in ("true", "1"):
+        world = _int("world", own.get("world", "1"), 1)
+        memory = _int("device_memory", own["device_memory"], 1) if "device_memory" in own else 0
+        as_json, check = _bool("json", own.get("json", "false")), _bool("check", own.get("check", "false"))
+        cfg = compose(overrides)
+        device = device_spec(own.get("device", "cpu"), memory or cfg.trainer.plan_memory_bytes)
+        prepare_kernels(cfg.model.kernels, device.kind)  # the trace runs the target's kernels' ops
+        plan = plan_launch(cfg, world, device)
+        if as_json:
             print(json.dumps(plan.as_json(), indent=None))
         else:
             print("\n".join(f"{PROG}: {line}" for line in report_lines(plan)))
-        return 0
+        return DOES_NOT_FIT if check and not plan.fits else 0
 
     return run_cli(PROG, body)
 

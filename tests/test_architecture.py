@@ -41,6 +41,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("kernels", "lmsys.core")),
     ("model and data", ("lmsys.model", "lmsys.data")),
     ("engine and checkpoints", ("lmsys.engine",)),
+    ("planning", ("lmsys.planning",)),
     (
         "training, inference, interop, sweeps",
         ("lmsys.training", "lmsys.inference", "lmsys.interop", "lmsys.sweep"),
@@ -260,6 +261,29 @@ def test_the_layer_rule_sees_an_upward_import():
     assert layer_of("launch.torchrun") < layer_of("tools.bench")
     assert layer_of("lmsys.sweep.summary") < layer_of("lmsys.sweep.__main__")
     assert layer_of("lmsys.core.config") < layer_of("lmsys.engine.zero") < layer_of("lmsys.training.trainer")
+    assert (
+        layer_of("lmsys.engine.zero")
+        < layer_of("lmsys.planning.trace")
+        < layer_of("lmsys.training.preflight")
+    )
+
+
+def test_training_imports_only_the_planners_check():
+    """The planner is a package of its own: a launch calls its check (lmsys.planning.check), and
+    nothing else of it, before the engine exists."""
+    reaching = sorted(
+        f"{name} imports {target}"
+        for name, tree in TREES.items()
+        if name.startswith("lmsys.training")
+        for target in _imported(name, tree)
+        if target.startswith("lmsys.planning") and target != "lmsys.planning.check"
+    )
+    assert reaching == []
+    assert any(
+        "lmsys.planning.check" in _imported(name, TREES[name])
+        for name in TREES
+        if name.startswith("lmsys.training")
+    )
 
 
 def test_every_command_is_in_a_command_layer():

@@ -207,9 +207,6 @@ class TrainerConfig:
     # warn on CPU) | refuse (a launch predicted not to fit stops, with what would fit) | warn | off
     plan: str = "auto"
     plan_memory_bytes: int = 0  # memory per rank the plan compares with; 0: the device's own
-    # CPU: measure the peak of the tensors (torch's profiler's allocator events, as CUDA's
-    # max_memory_allocated) instead of the peak RSS; about 1.5 s more at startup and a slower step 1
-    trace_memory: bool = False
     # Ulysses sequence parallelism: groups of this many ranks each hold data.seq_len / it positions of
     # every sequence, attention gathers the sequence for model.n_heads / it heads (docs/training.md)
     sequence_parallel: int = 1

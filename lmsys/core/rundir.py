@@ -202,12 +202,8 @@ class MemoryRecord(Record):
     measured_peak_bytes: int  # the largest rank's
     measured_peak_bytes_per_rank: list[int]
     predicted_peak_bytes: int | None  # None without a plan (trainer.plan=off)
-    measured_by: str  # cuda_max_allocated | traced_tensors | rss
+    measured_by: str  # cuda_max_allocated (the tensors) | rss (a CPU's peak RSS: a bound)
     measured_includes_diagnosis: bool = field(default=False, metadata=OMIT_UNSET)
-    # traced_tensors only: bytes of the peak whose free went unseen, and rank 0's peak's ops and holders
-    measured_peak_unconfirmed_bytes: int | None = field(default=None, metadata=OMIT_UNSET)
-    rank0_peak_during: str | None = field(default=None, metadata=OMIT_UNSET)
-    rank0_peak_holders: dict[str, int] | None = field(default=None, metadata=OMIT_UNSET)
 
 
 RECORDS: dict[str, type[Record]] = {
@@ -338,14 +334,11 @@ def write_json(run_dir: Path, name: str, data: Any) -> None:
 
 
 def write_engine_stats(
-    run_dir: Path, engine: dict[str, Any], ranks: Sequence[tuple[dict[str, int], int, int]]
+    run_dir: Path, engine: dict[str, Any], ranks: Sequence[tuple[dict[str, int], int]]
 ) -> None:
     """engine_stats.json: the engine's settings and, per rank, what it holds (lmsys.engine.zero.
-    shard_stats) with its measured peak and the bytes of it whose free went unseen."""
-    rows = [
-        {**held, "measured_peak_bytes": peak, "measured_peak_unconfirmed_bytes": unconfirmed}
-        for held, peak, unconfirmed in ranks
-    ]
+    shard_stats) with its measured peak."""
+    rows = [{**held, "measured_peak_bytes": peak} for held, peak in ranks]
     write_json(run_dir, ENGINE_STATS_FILE, {"engine": engine, "ranks": rows})
 
 

@@ -268,6 +268,14 @@ def build_optimizer(
 # ----------------------------------------------------------------------------- DeepSpeed JSON
 
 
+def contiguous_gradients(cfg: Config, sequence_parallel: int, cuda: bool) -> bool:
+    """Whether DeepSpeed gathers the gradients into preallocated buckets: on a GPU when
+    deepspeed.contiguous_gradients asks, except for ZeRO-3 Muon under sequence parallelism, whose
+    every bucket must pass the reduce-scatter's averaging (sequence_parallel.averaged_ranks)."""
+    muon_sharded = cfg.deepspeed.stage == 3 and cfg.optim.name == "muon" and sequence_parallel > 1
+    return cfg.deepspeed.contiguous_gradients and cuda and not muon_sharded
+
+
 def deepspeed_config(
     cfg: Config,
     batch: BatchSplit,
@@ -284,7 +292,7 @@ def deepspeed_config(
         # avoid fragmenting GPU memory). A CPU has no streams and no fragmentation to avoid: they
         # only add gradient copies (~10% of a tiny model's ZeRO-2 step; tools.bench train).
         "overlap_comm": ds.overlap_comm and cuda,
-        "contiguous_gradients": ds.contiguous_gradients and cuda,
+        "contiguous_gradients": contiguous_gradients(cfg, batch.sequence_parallel, cuda),
         "reduce_bucket_size": ds.reduce_bucket_size,
         "allgather_bucket_size": ds.allgather_bucket_size,
     }
@@ -297,8 +305,6 @@ def deepspeed_config(
         zero["stage3_param_persistence_threshold"] = ds.param_persistence_threshold
         if cfg.optim.name == "muon":  # DeepSpeed's ZeRO-3 Muon all-reduces whole gradients
             zero["reduce_scatter"] = False
-            if batch.sequence_parallel > 1:  # every bucket through the reduce-scatter's averaging
-                zero["contiguous_gradients"] = False  # (sequence_parallel.averaged_ranks)
         zero["stage3_prefetch_bucket_size"] = ds.allgather_bucket_size
     config: dict[str, Any] = {
         "train_batch_size": batch.global_batch_sequences,

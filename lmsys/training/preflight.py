@@ -13,7 +13,7 @@ forms. The checks, in order (each failure is one ConfigError or DataError line n
    global batch, so the advice is the resume's: lmsys.core.runtime.resume_batch_split);
 2. the prepared data in data.dir: it exists, its tokenizer has the model's vocabulary, and both
    of its splits hold at least one sequence of data.seq_len;
-3. the memory plan (trainer.plan, lmsys/training/planning.py): a launch predicted not to fit its
+3. the memory plan (trainer.plan, lmsys/planning/check.py): a launch predicted not to fit its
    device is refused with what would fit (auto: on CUDA; a warning on CPU), before any process,
    engine or model exists.
 
@@ -58,7 +58,7 @@ from lmsys.engine.runlock import RunLock, holder_of
 from lmsys.interop.export_dir import initial_model
 from lmsys.model.ops import prepare_kernels
 from lmsys.model.transformer import Transformer
-from lmsys.training.planning import Plan, check_plan
+from lmsys.planning.check import Plan, check_plan
 
 DATA_CHECKS = ("required", "if_present", "skip")
 

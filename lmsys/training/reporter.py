@@ -31,6 +31,7 @@ from typing import Any
 
 from lmsys.core.config import Config, LoggerConfig
 from lmsys.core.console import Console
+from lmsys.core.devices import device_name
 from lmsys.core.rundir import (
     CheckpointRecord,
     EvalRecord,
@@ -42,7 +43,6 @@ from lmsys.core.rundir import (
 )
 from lmsys.core.runtime import Setup
 from lmsys.engine.zero import EngineInfo
-from lmsys.training.devices import device_name
 from lmsys.training.plots import plot_losses
 
 
@@ -104,6 +104,10 @@ class Reporter:
 
     def warn(self, message: str) -> None:
         self.console.warn(message)
+
+    def expect_evaluations(self, seconds: float | None) -> None:
+        """The plan's time for one evaluation: the ETA's until the first is timed."""
+        self.console.evaluation_estimate_s = seconds
 
     @contextmanager
     def steps(self, first: int, last: int, eval_interval: int | None = None) -> Iterator[None]:

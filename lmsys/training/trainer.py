@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 
 from lmsys.core import rundir
 from lmsys.core.config import Config
+from lmsys.core.devices import device_peak_flops, mfu
 from lmsys.core.errors import Stopped
 from lmsys.core.rundir import EvalRecord, TrainRecord
 from lmsys.core.runtime import DTYPES, Setup, seed_everything
@@ -40,7 +41,6 @@ from lmsys.model.compiling import compile_errors, compile_stats, compile_summary
 from lmsys.model.selfcheck import check_kernels, settle
 from lmsys.model.transformer import next_token_pairs
 from lmsys.training.components import Component, Components, Step
-from lmsys.training.devices import device_peak_flops, mfu
 from lmsys.training.peak_memory import memory_gb
 from lmsys.training.preflight import (
     StartingPoint,

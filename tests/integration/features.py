@@ -91,9 +91,11 @@ def start_job(command: list[str], cwd: Path, stdout: int = subprocess.PIPE) -> s
     )  # fmt: skip
 
 
-def train_command(nproc: int, overrides: list[str], max_restarts: int = 0) -> list[str]:
+def train_command(
+    nproc: int, overrides: list[str], max_restarts: int = 0, module: str = "lmsys.train"
+) -> list[str]:
     if nproc == 1:
-        return [sys.executable, "-m", "lmsys.train", *overrides]
+        return [sys.executable, "-m", module, *overrides]
     return [
         TORCHRUN,
         "--nnodes=1",
@@ -103,7 +105,7 @@ def train_command(nproc: int, overrides: list[str], max_restarts: int = 0) -> li
         f"--max_restarts={max_restarts}",
         "--monitor_interval=0.5",
         "-m",
-        "lmsys.train",
+        module,
         *overrides,
     ]
 
@@ -338,23 +340,20 @@ LAUNCHES["ulysses4"] = Launch(
     ("ulysses4-zero3-accum2-actckpt-muon",),
     "ulysses4-zero3-accum2-actckpt-muon",
 )  # fmt: skip
-# ... and the activation memory per rank at P=1 and P=2, sequences of T=512 and 4T on 2 ranks,
-# traced (trainer.trace_memory): micro-batches of 1 sequence, ZeRO-0, 2 steps
-MEMORY = ("model.d_model=64", "model.ffn.d_ff=128", "model.max_seq_len=2048", "trainer.max_steps=2",
-          "trainer.micro_batch_size=1", "trainer.global_batch_tokens=4096", "trainer.trace_memory=true",
-          "trainer.eval_batches=1", "deepspeed=zero0")  # fmt: skip
-LAUNCHES["ulysses-memory"] = Launch(
-    2,
-    ("-m", "trainer.sequence_parallel=1,2", "data.seq_len=512,2048", *MEMORY),
-    (
-        "ulysses-memory-p1-t512",
-        "ulysses-memory-p1-t2048",
-        "ulysses-memory-p2-t512",
-        "ulysses-memory-p2-t2048",
-    ),
-    "ulysses-memory-p${trainer.sequence_parallel}-t${data.seq_len}",
-)
 CASES = {case: launch for launch, spec in LAUNCHES.items() for case in spec.cases}
+
+
+# Runs whose CPU tensors are traced, each rank's peak through its second step (the planner bench's
+# probe, tools.bench.plan.tensor_trace): the activation memory per rank at P=1 and P=2, sequences
+# of T=512 and 4T on 2 ranks, micro-batches of 1 sequence, ZeRO-0 (test_sequence_parallel.py)
+MEMORY = ("model.d_model=64", "model.ffn.d_ff=128", "model.max_seq_len=2048", "trainer.max_steps=2",
+          "trainer.micro_batch_size=1", "trainer.global_batch_tokens=4096", "trainer.eval_batches=1",
+          "deepspeed=zero0")  # fmt: skip
+TRACED = {
+    f"ulysses-memory-p{p}-t{t}": (2, (*MEMORY, f"trainer.sequence_parallel={p}", f"data.seq_len={t}"))
+    for p in (1, 2)
+    for t in (512, 2048)
+}
 
 
 def data_overrides(data_dir: Path) -> list[str]:
@@ -384,6 +383,27 @@ class RunCache:
                 assert stage is not None
                 plain.append("deepspeed=" + next(v for v in o[10:].split(",") if v[4] == stage.group(1)))
         return [*data_overrides(self.data_dir), *plain]
+
+    def traced_peaks(self, case: str) -> list[dict[str, int]]:
+        """Each rank's traced peak of a TRACED case, {"bytes", "unseen_bytes"} (the probe's), run
+        once a session."""
+        nproc, overrides = TRACED[case]
+        probe = self.root / f"{case}.peak"
+        with FileLock(self.root / f"{case}.lock"):
+            if not list(self.root.glob(f"{probe.name}.rank*")):
+                run_dir = self.root / case
+                args = [str(probe), *self.traced_overrides(case), f"trainer.run_dir={run_dir}"]
+                command = train_command(nproc, args, module="tools.bench.plan.tensor_trace")
+                proc = subprocess.run(
+                    command, cwd=self.root, env=child_env(), capture_output=True, text=True, timeout=300
+                )
+                assert proc.returncode == 0, f"{case} failed\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        peaks = [json.loads(p.read_text()) for p in sorted(self.root.glob(f"{probe.name}.rank*"))]
+        assert len(peaks) == nproc, (case, peaks)
+        return peaks
+
+    def traced_overrides(self, case: str) -> list[str]:
+        return [*data_overrides(self.data_dir), *TRACED[case][1]]
 
     def get(self, case: str) -> Run:
         if case not in self._runs:

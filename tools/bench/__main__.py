@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, list[str]]] = {
     "train": ("tools.bench.train", []),
     "prepare": ("tools.bench.prepare", []),
     "generate": ("tools.bench.generate", []),
-    "plan": ("tools.bench.plan", []),
+    "plan": ("tools.bench.plan.grid", []),
     "ttl": ("tools.bench.ttl", []),
     "checkpoint": ("tools.bench.checkpoint", []),
     "integrity": ("tools.bench.integrity", []),

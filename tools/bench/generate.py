@@ -27,13 +27,13 @@ import torch
 
 from lmsys.cli import DEVICE_OPTION, DTYPE_OPTION, Option, parse_options, run_cli
 from lmsys.core.config import compose_model
+from lmsys.core.devices import device_name
 from lmsys.core.errors import UsageError
 from lmsys.core.runtime import resolve_device, resolve_dtype
 from lmsys.inference.generation import Sampling, generate_batch, generate_one
 from lmsys.model.compiling import compile_module, compile_stats
 from lmsys.model.ops import prepare_kernels
 from lmsys.model.transformer import Transformer
-from lmsys.training.devices import device_name
 
 PROG = "tools.bench generate"
 

@@ -52,6 +52,7 @@ import torch
 
 from lmsys.cli import Option, parse_options, run_cli
 from lmsys.core.config import compose, validate
+from lmsys.core.devices import device_name, device_peak_flops, mfu
 from lmsys.core.errors import UsageError
 from lmsys.core.files import sha256_file
 from lmsys.core.runtime import resolve_device, resolve_precision, seed_everything, split_batch
@@ -61,7 +62,6 @@ from lmsys.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, SENTENCEPIECE_FILE, UNK
 from lmsys.engine.zero import lr_at, param_groups
 from lmsys.model.ops import prepare_kernels
 from lmsys.model.transformer import Transformer
-from lmsys.training.devices import device_name, device_peak_flops, mfu
 from lmsys.training.run import train
 
 PROG = "tools.bench train"

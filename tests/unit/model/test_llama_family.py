@@ -158,13 +158,13 @@ PUBLISHED = {  # preset: (parameters, transformers' class of its format=hf confi
 @pytest.mark.parametrize("preset", PUBLISHED)
 def test_presets_have_the_published_shapes(preset):
     from lmsys.interop.hf_llama import hf_config
-    from lmsys.model.shapes import model_shapes
+    from lmsys.planning.trace import fake_model
 
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
     cfg = compose([f"model={preset}", "data.seq_len=1024"])
     n, architecture = PUBLISHED[preset]
-    assert model_shapes(cfg).n_params == n
+    assert fake_model(cfg, None, "meta", torch.bfloat16).num_parameters() == n  # what lmsys-plan counts
     config = hf_config(cfg.model)
     with torch.device("meta"):
         theirs = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
@@ -288,8 +288,8 @@ def test_muon_takes_the_attention_and_feed_forward_matrices():
 
 @pytest.mark.parametrize("preset", ["llama_tiny", "qwen3_0_6b", "llama3_2_1b"])
 def test_lmsys_plan_plans_the_family(preset):
-    from lmsys.training.devices import device_spec
-    from lmsys.training.planning import plan_launch
+    from lmsys.core.devices import device_spec
+    from lmsys.planning.planner import plan_launch
 
     seq = 128 if preset == "llama_tiny" else 2048
     cfg = compose([f"model={preset}", f"data.seq_len={seq}", "trainer.micro_batch_size=1",
