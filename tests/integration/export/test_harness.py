@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from tests.fixtures.exports import SEQ, run_clis
+from tests.integration.export.test_lm_eval_model import PROMPTS, ROLLING_TEXT, TASKS, UNTIL
 from tests.unit.inference.test_evaluate import held_out_text
-from tests.unit.inference.test_lm_eval_model import PROMPTS, ROLLING_TEXT, TASKS, UNTIL
 
 
 @pytest.fixture(scope="module")
