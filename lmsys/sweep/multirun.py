@@ -248,7 +248,7 @@ def record_job(status: str, returncode: int, seconds: float, error: str | None =
     if os.environ.get("RANK", "0") != "0":
         return
     hc = HydraConfig.get()
-    entry = {"num": hc.job.num, "status": status, "returncode": returncode, "seconds": round(seconds, 1)}
+    entry = {"num": hc.job.num, "status": status, "returncode": returncode, "seconds": round(seconds, 3)}
     if error is not None:
         entry["error"] = error
     path = Path(hc.sweep.dir) / JOBS_FILE
