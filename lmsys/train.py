@@ -136,6 +136,8 @@ def _is_distributed_worker() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+LOST_PEER_GRACE_S = 2.0  # a survivor's wait before it ends, once its line is said
+
 # How gloo and NCCL word a collective whose peer process is gone
 _PEER_GONE = (
     "closed by peer",
@@ -192,7 +194,11 @@ def main(argv: list[str] | None = None) -> int:
             lost = lost_peer(exc)
             if lost is None:
                 raise
-            raise TrainingError(lost) from None
+            report_error(PROG, TrainingError(lost))
+            # a consequence, not the cause: the launcher (torchrun polls every 0.1 s) must see the
+            # rank that failed end first, or its line would name this one
+            time.sleep(LOST_PEER_GRACE_S)
+            return TrainingError.exit_code
         finally:
             close_distributed()
         return 0
