@@ -117,13 +117,13 @@ def die_with_launcher() -> None:
 
 
 def end_worker(status: int) -> NoReturn:
-    """End a torchrun worker of a multi-rank job without the interpreter's finalization.
+    """End a training process without the interpreter's finalization.
 
     The DeepSpeed engine stays referenced by torch's hook registries and holds the process groups,
     so gloo's threads outlive destroy_process_group; one that needs the GIL while the interpreter
     finalizes aborts the process ("terminate called without an active exception", SIGABRT) after
-    a run that finished and saved. CI saw exactly that after a complete 2-rank run. Everything the
-    run owns is closed by then (checkpoints, W&B, the run record); the exit handlers still run
+    a run that finished and saved: CI saw it after complete runs of 2 ranks and of 1. Everything
+    the run owns is closed by then (checkpoints, W&B, the run record); the exit handlers still run
     (a sweep's summary), the streams are flushed, then the process ends with its status."""
     atexit._run_exitfuncs()
     logging.shutdown()
@@ -132,8 +132,10 @@ def end_worker(status: int) -> NoReturn:
     os._exit(status)
 
 
-def _is_distributed_worker() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+def started_distributed() -> bool:
+    """Whether this process brought up DeepSpeed (and with it gloo's threads): any training run,
+    one process or many, under torchrun or not; not --help, nor a mistake found before."""
+    return "deepspeed" in sys.modules
 
 
 LOST_PEER_GRACE_S = 2.0  # a survivor's wait before it ends, once its line is said
@@ -241,18 +243,22 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     # Run the copy imported as `lmsys.train`, not `__main__`: launchers that pickle the task
     # (hydra/launcher=slurm, submitit) must find its classes by an importable name on the worker.
-    from lmsys.train import _is_distributed_worker, end_worker
+    from lmsys.train import end_worker, started_distributed
     from lmsys.train import main as _main
 
-    if not _is_distributed_worker():
-        sys.exit(_main())
     try:
         exit_status = _main()
     except SystemExit as exc:  # Hydra's own exits (a config error in a sweep job)
+        if not started_distributed():
+            raise
         if exc.code is not None and not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
         exit_status = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     except BaseException:  # kept: the traceback, then the same safe end
+        if not started_distributed():
+            raise
         traceback.print_exc()
         exit_status = 1
-    end_worker(exit_status)
+    if started_distributed():
+        end_worker(exit_status)
+    sys.exit(exit_status)
