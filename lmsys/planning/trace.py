@@ -1,29 +1,17 @@
 """The traced step: what one micro-batch of a config's real model allocates, read off its forward
-and backward run on fake tensors, so that no tensor of the model's size is ever allocated.
+and backward on fake tensors, so that no tensor of the model's size is ever allocated
+(torchtitan's memory estimation runs its real step under FakeTensorMode the same way).
 
-The model is `Transformer(cfg.model)`, built on the meta device, its parameters and buffers then
-made fake tensors of the target's dtype (torchtitan's memory estimation runs its real step under
-FakeTensorMode the same way). One micro-batch of token ids of the run's shape runs the model's
-loss (model.loss_impl as configured) under activation checkpointing as lmsys.engine.zero applies
-it, then the backward. A dispatch mode counts every tensor the step creates from the op that
-returns it until its storage dies (torch.distributed._tools.mem_tracker's bookkeeping), and after
-every op records three numbers: the bytes of the step's own tensors alive (activations, the loss's
-buffers, the backward's transients), the gradient elements formed so far (each parameter's
-gradient is counted, then dropped: ZeRO's arithmetic in lmsys.planning.zero_memory decides where it
-goes), and the parameter elements the step has used so far (what ZeRO-3 has gathered).
-
-Under sequence parallelism (trainer.sequence_parallel=P) the traced module is the one a rank
-runs: lmsys.engine.sequence_parallel's sharded loss of rank 0 of a group, fed whole rows, each
-layer's attention in the local stand-in of the exchange (the same reshapes and copies around each
-all-to-all, the all-to-all itself a copy), so the activations are those of T/P positions, each
-attending over all T with H/P heads.
-
-The ops are those the target runs. A CPU target's fake tensors are on the CPU, so torch chooses its
-CPU kernels (scaled_dot_product_attention's CPU flash path). Fake CUDA tensors cannot run autograd
-in a CPU build of torch, so a GPU target's are on the meta device and answer `is_cuda` as a GPU's
-do: lmsys.model.ops then calls the Triton kernels' custom ops, and their registered fake
-implementations give their outputs. What the step reads back from a tensor (the loss's check that
-every target is in the vocabulary, the optimizer's step count) reads a healthy answer, False or 1.
+`Transformer(cfg.model)` is built on the meta device, its parameters and buffers made fake
+tensors of the target's dtype, and one micro-batch runs the model's loss as lmsys.engine.zero
+builds it (model.loss_impl, activation checkpointing; under sequence parallelism rank 0's
+sharded loss, the all-to-all a local copy), then the backward. A dispatch mode counts each op's
+new storages until they die (torch.distributed._tools.mem_tracker's bookkeeping) and records,
+after every op, the step's own bytes alive, the gradient elements formed and the parameter
+elements used so far. A GPU target's tensors are meta tensors that answer as CUDA ones (fake CUDA
+tensors cannot run autograd in a CPU build of torch), so the Triton kernels' registered fake
+implementations run; a CPU target's are FakeTensorMode's CPU fakes. What the step reads back from
+a tensor (the loss's vocabulary check, the optimizer's step count) reads a healthy answer.
 """
 
 from __future__ import annotations
@@ -54,8 +42,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass(frozen=True)
 class StepTrace:
-    """One micro-batch's forward and backward, traced (module docstring). The three series have
-    one entry per op, in the order the step runs them."""
+    """One micro-batch's forward and backward, traced; the three series have an entry per op."""
 
     param_numels: tuple[int, ...]  # each distinct parameter's elements
     buffer_bytes: int  # the model's buffers (position tables), whole on every rank
@@ -92,8 +79,6 @@ def _in_kernel_check(frame: Any) -> bool:
 
 
 def _answering_cuda(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """`forward` run with meta tensors answering as a GPU's (_AnswersCuda)."""
-
     def answering(*args: Any, **kwargs: Any) -> Any:
         with _AnswersCuda():
             return forward(*args, **kwargs)
@@ -174,16 +159,8 @@ def trace_step(cfg: Config, cuda: bool, precision: str, micro_batch: int) -> Ste
     """The traced forward and backward of one micro-batch of `micro_batch` sequences of cfg's
     model, on a GPU target (`cuda`) or a CPU, in `precision` (module docstring). Cached: the
     suggestions plan a handful of variants of one config."""
-    key = (
-        repr(cfg.model),
-        cfg.data.seq_len,
-        cfg.deepspeed.activation_checkpointing,
-        cfg.data.document_masking,
-        cfg.trainer.sequence_parallel,
-        cuda,
-        precision,
-        micro_batch,
-    )
+    key = (repr(cfg.model), repr(cfg.data), cfg.deepspeed.activation_checkpointing,
+           cfg.trainer.sequence_parallel, cuda, precision, micro_batch)  # fmt: skip
     if key not in _TRACES:
         _TRACES[key] = _trace(cfg, cuda, precision, micro_batch)
     return _TRACES[key]
@@ -225,21 +202,19 @@ def _trace(cfg: Config, cuda: bool, precision: str, micro_batch: int) -> StepTra
         backward_start = len(counter.points)
         loss.backward()
         counter.mark()
-    live, formed, fetched = zip(*counter.points, strict=True)
-    unembedding = model.unembed.weight.numel()
+    flops = model.flops_per_token(cfg.data.seq_len)
+    # the forward is a third of the FLOPs; the loss head's matmul is not recomputed
+    recomputed = (
+        (flops - 6 * model.unembed.weight.numel()) // 3 if cfg.deepspeed.activation_checkpointing else 0
+    )
     return StepTrace(
-        param_numels=tuple(p.numel() for p in params),
-        buffer_bytes=sum(b.untyped_storage().nbytes() for b in model.buffers()),
-        flops_per_token=model.flops_per_token(cfg.data.seq_len),
-        # the forward is a third of the FLOPs; the loss head's matmul is not recomputed
-        recompute_flops_per_token=(model.flops_per_token(cfg.data.seq_len) - 6 * unembedding) // 3
-        if cfg.deepspeed.activation_checkpointing
-        else 0,
-        live=live,
-        formed=formed,
-        fetched=fetched,
-        backward_start=backward_start,
-        first_block_fetched=first_block[0] if first_block else counter.fetched,
+        tuple(p.numel() for p in params),
+        sum(b.untyped_storage().nbytes() for b in model.buffers()),
+        flops,
+        recomputed,
+        *zip(*counter.points, strict=True),  # live, formed, fetched
+        backward_start,
+        first_block[0] if first_block else counter.fetched,
     )
 
 

@@ -1,30 +1,9 @@
-"""ZeRO's arithmetic over a traced step: what one rank holds at each moment of a training step, by
-component, given the traced micro-batch (lmsys.planning.trace) and DeepSpeed's configuration.
-
-The trace gives what the model's own step allocates op by op and when each parameter's gradient
-is formed and each parameter first used. DeepSpeed decides the rest, term by term (each read off
-its 0.19 source, and on CPU off allocation traces of real runs: docs/planning.md):
-
-- parameters: N p, ZeRO-3 a partition N/W p plus the parameters under
-  `param_persistence_threshold` whole; the model's buffers;
-- optimizer_states: Adam's moments and the fp32 master, 12 bytes a parameter of the rank's
-  partition (ZeRO-0 in fp32: 8, the weights are the master);
-- gradients: those kept between micro-batches, and those the backward forms: ZeRO-0/1 keep
-  every gradient until the step; ZeRO-2/3 move them into a bucket of `reduce_bucket_size`
-  elements, reduced when full (a CUDA run's buckets are preallocated, two with overlap_comm,
-  when DeepSpeed keeps the gradients contiguous: lmsys.engine.zero.contiguous_gradients);
-- zero_buffers: the reductions' copies (ZeRO-0 up to 5e8 elements at once, ZeRO-1 a bucket, ZeRO-2
-  the bucket's averaged copy, ZeRO-3 its reduce-scatter copy and the contiguous bucket) and
-  ZeRO-3's gathered parameters (2+ ranks: used and not yet released, i.e. whose gradient is not
-  formed, up to stage3_max_live_parameters; at the backward's end at least those up to the first
-  block's);
-- workspace: the optimizer step's temporaries (traced: torch's AdamW on a CPU; DeepSpeed's fused
-  Adam updates in place on a GPU), and at ZeRO-3 the step's fp32 copy of the gradient partition.
-
-With `offload_optimizer` on a GPU, what DeepSpeed keeps on the host (the fp32 master and moments,
-the fp32 gradient partition, the half-precision copy it sends back) is host memory; the GPU keeps
-the half-precision parameters, the gradient buckets and one parameter's staging buffer. On a CPU,
-host memory is the device's.
+"""ZeRO's arithmetic over a traced step (lmsys.planning.trace): what one rank holds at each moment of
+a training step, by component (parameters, optimizer_states, gradients, activations, zero_buffers,
+workspace), as DeepSpeed 0.19's source allocates it; docs/planning.md has the table of what each
+counts. With offload_optimizer on a GPU, what DeepSpeed keeps on the host (the fp32 master and
+moments, the fp32 gradient partition, the half-precision copy it sends back) is host memory; on a
+CPU host memory is the device's.
 """
 
 from __future__ import annotations
