@@ -1,12 +1,11 @@
-"""The devices lmsys knows, one table: each GPU's usable memory, dense peak FLOP/s, bandwidths and
-the MFU a run on it is assumed to reach, each with its source. A run's MFU is measured against the
-peak of the GPU it runs on (by the name torch reports); lmsys-plan plans for any of them
-(`device=NAME`), for `device_memory=BYTES` of any other card, or for this machine's CPU.
-
-Memory is what the card reports (torch.cuda's total capacity, as out-of-memory messages print it),
-not the datasheet's GB read as GiB: the driver keeps the rest. FLOP/s are the datasheets' dense
-figures (without structured sparsity), 16-bit with fp32 accumulation (bf16; fp16 on the V100,
-which has no bf16). Nothing here was measured by lmsys on a GPU.
+"""The devices lmsys knows, one table: each GPU's usable memory, dense peak FLOP/s, bandwidths and the
+MFU a run on it is assumed to reach, each with its source. A run's MFU is measured against the peak of
+the GPU it runs on (by the name torch reports); lmsys-plan plans for any of them (`device=NAME`), for
+`device_memory=BYTES` of any other card, or for this machine's CPU. Memory is what the card reports
+(torch.cuda's total capacity, as out-of-memory messages print it), not the datasheet's GB read as GiB:
+the driver keeps the rest. FLOP/s are the datasheets' dense figures (without structured sparsity),
+16-bit with fp32 accumulation (bf16; fp16 on the V100, which has no bf16). Nothing here was measured
+by lmsys on a GPU.
 """
 
 from __future__ import annotations
@@ -23,31 +22,22 @@ GIB = 1 << 30
 
 @dataclass(frozen=True)
 class Mfu:
-    """The MFU (model FLOPs per second over the dense peak, PaLM's count) a family of GPUs is
-    assumed to reach, and the published runs it comes from."""
+    """The MFU (model FLOP/s over the dense peak, PaLM's count) a GPU family is assumed to reach."""
 
     value: float
-    source: str
+    source: str  # the published runs it comes from
 
 
 # The published runs' MFU by lmsys's FLOP count (6N + 6 L H (d_qk + d_vo) T a token; llm-foundry's
 # benchmark table uses the same formula). docs/planning.md holds the table of runs the 25% check uses.
-AMPERE = Mfu(
-    0.50,
-    "llm-foundry's A100-80GB benchmarks of MPT 125M-7B at T=2048 on 8 GPUs: 44.8-64.2%; llm.c's GPT-2 124M "
-    "on 8 A100-80GB (10B tokens in about 90 minutes): about 63%",
-)
-HOPPER = Mfu(
-    0.42,
-    "llm-foundry's H100 benchmarks of MPT 760M-3B at T=2048 on 8-64 GPUs: 34.9-46.4%; llm.c's GPT-2 1558M on "
-    "8 H100 (about 33B tokens in 24 hours): about 50%",
-)
+AMPERE = Mfu(0.50, "llm-foundry's A100-80GB benchmarks of MPT 125M-7B at T=2048 on 8 GPUs: 44.8-64.2%; "
+             "llm.c's GPT-2 124M on 8 A100-80GB (10B tokens in about 90 minutes): about 63%")  # fmt: skip
+HOPPER = Mfu(0.42, "llm-foundry's H100 benchmarks of MPT 760M-3B at T=2048 on 8-64 GPUs: 34.9-46.4%; "
+             "llm.c's GPT-2 1558M on 8 H100 (about 33B tokens in 24 hours): about 50%")  # fmt: skip
 VOLTA = Mfu(0.32, "the ZeRO-Offload paper: 40 TFLOP/s a V100 (32% of 125) for a 10B model")
-DESKTOP = Mfu(
-    0.40,
-    "an assumption: one published run, nanoGPT's GPT-2 124M on one RTX 4090 at 29% of the A100's 312 "
-    "TFLOP/s (about 55% of the 4090's 165); none found for the other PCIe cards",
-)
+DESKTOP = Mfu(0.40, "an assumption: one published run, nanoGPT's GPT-2 124M on one RTX 4090 at 29% of the "
+              "A100's 312 TFLOP/s (about 55% of the 4090's 165); none found for the other "
+              "PCIe cards")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -71,35 +61,20 @@ class Device:
     per_rank: bool = False  # memory_bytes is each rank's own (device_memory=, trainer.plan_memory_bytes)
 
 
-_DGX_A100 = dict(
-    host_bytes_per_s=2 * 204.8e9, host_memory_bytes=1024 * GIB, link_bytes_per_s=300e9, pcie_bytes_per_s=32e9,
-    node="a DGX A100: 2 AMD EPYC 7742, 8 channels of DDR4-3200 each, 1 TiB; NVLink 600 GB/s both ways, "
-    "PCIe Gen4",
-)  # fmt: skip
-_DGX_H100 = dict(
-    host_bytes_per_s=2 * 307.2e9, host_memory_bytes=2048 * GIB, link_bytes_per_s=450e9, pcie_bytes_per_s=64e9,
-    node="a DGX H100: 2 Xeon Platinum 8480C, 8 channels of DDR5-4800 each, 2 TiB; NVLink 900 GB/s both ways, "
-    "PCIe Gen5",
-)  # fmt: skip
-_DGX2 = dict(
-    host_bytes_per_s=2 * 128e9, host_memory_bytes=1536 * GIB, link_bytes_per_s=150e9, pcie_bytes_per_s=16e9,
-    gpus_per_node=16, node="a DGX-2 (DeepSpeed's tutorials' node): 2 Xeon Platinum 8168, 6 channels of "
-    "DDR4-2666 each, 1.5 TiB; NVSwitch 300 GB/s both ways, PCIe Gen3",
-)  # fmt: skip
-_DGX1 = dict(
-    host_bytes_per_s=2 * 76.8e9, host_memory_bytes=512 * GIB, link_bytes_per_s=150e9, pcie_bytes_per_s=16e9,
-    node="a DGX-1: 2 Xeon E5-2698 v4, 4 channels of DDR4-2400 each, 512 GiB; NVLink 300 GB/s both ways, "
-    "PCIe Gen3",
-)  # fmt: skip
-_AWS = dict(
-    host_bytes_per_s=2 * 204.8e9, host_memory_bytes=768 * GIB, link_bytes_per_s=32e9, pcie_bytes_per_s=32e9,
-    node="an AWS g5/g6 48xlarge: 2 AMD EPYC, 8 channels of DDR4-3200 each, 768 GiB; no NVLink, PCIe Gen4",
-)  # fmt: skip
-_DESK = dict(
-    host_bytes_per_s=204.8e9, host_memory_bytes=256 * GIB, link_bytes_per_s=32e9, pcie_bytes_per_s=32e9,
-    gpus_per_node=4, node="an assumed workstation: 4 GPUs, one CPU with 8 channels of DDR4-3200, 256 GiB; "
-    "PCIe Gen4",
-)  # fmt: skip
+# The nodes around the GPUs, in Device's field order: link_bytes_per_s, pcie_bytes_per_s,
+# host_bytes_per_s, host_memory_bytes, gpus_per_node, node
+_DGX_A100 = (300e9, 32e9, 2 * 204.8e9, 1024 * GIB, 8, "a DGX A100: 2 AMD EPYC 7742, 8 channels of "
+             "DDR4-3200 each, 1 TiB; NVLink 600 GB/s both ways, PCIe Gen4")  # fmt: skip
+_DGX_H100 = (450e9, 64e9, 2 * 307.2e9, 2048 * GIB, 8, "a DGX H100: 2 Xeon Platinum 8480C, 8 channels of "
+             "DDR5-4800 each, 2 TiB; NVLink 900 GB/s both ways, PCIe Gen5")  # fmt: skip
+_DGX2 = (150e9, 16e9, 2 * 128e9, 1536 * GIB, 16, "a DGX-2 (DeepSpeed's tutorials' node): 2 Xeon Platinum "
+         "8168, 6 channels of DDR4-2666 each, 1.5 TiB; NVSwitch 300 GB/s both ways, PCIe Gen3")  # fmt: skip
+_DGX1 = (150e9, 16e9, 2 * 76.8e9, 512 * GIB, 8, "a DGX-1: 2 Xeon E5-2698 v4, 4 channels of DDR4-2400 "
+         "each, 512 GiB; NVLink 300 GB/s both ways, PCIe Gen3")  # fmt: skip
+_AWS = (32e9, 32e9, 2 * 204.8e9, 768 * GIB, 8, "an AWS g5/g6 48xlarge: 2 AMD EPYC, 8 channels of "
+        "DDR4-3200 each, 768 GiB; no NVLink, PCIe Gen4")  # fmt: skip
+_DESK = (32e9, 32e9, 204.8e9, 256 * GIB, 4, "an assumed workstation: 4 GPUs, one CPU with 8 channels of "
+         "DDR4-3200, 256 GiB; PCIe Gen4")  # fmt: skip
 # name, label, usable GiB and the report it is read from, dense 16-bit and fp32 FLOP/s (datasheets),
 # MFU, node
 _TABLE = [
@@ -122,7 +97,7 @@ H200_ESTIMATE = "139.5 GiB, estimated: 141 GiB x 79.11 / 80 (the H100's reported
 GPUS: dict[str, Device] = {
     name: Device(
         name, f"NVIDIA {label}", "cuda", int(gib * GIB), f"{gib} GiB ({source})" if source else H200_ESTIMATE,
-        bf16, fp32, family, **node,  # type: ignore[arg-type]
+        bf16, fp32, family, *node,
     )
     for name, label, gib, source, bf16, fp32, family, node in _TABLE
 }  # fmt: skip
@@ -182,16 +157,12 @@ def cpu_device() -> Device:
 
 
 def device_spec(name: str, memory_bytes: int = 0) -> Device:
-    """The Device of `device=NAME` (memory_bytes: another card's capacity, per rank); ConfigError
-    naming the valid ones."""
-    if name == "cpu":
-        device = cpu_device()
-    elif name in GPUS:
-        device = GPUS[name]
-    else:
+    """The Device of `device=NAME`; memory_bytes: another card's capacity, per rank."""
+    if name not in DEVICE_NAMES:
         raise ConfigError(f"device={name!r} is not known; choose one of: {', '.join(DEVICE_NAMES)}")
+    device = cpu_device() if name == "cpu" else GPUS[name]
     if memory_bytes:
-        device = replace(device, memory_bytes=memory_bytes, memory_source="given", per_rank=True)
+        return replace(device, memory_bytes=memory_bytes, memory_source="given", per_rank=True)
     return device
 
 

@@ -1,16 +1,10 @@
 """A run's measured peak memory beside the plan's prediction (trainer.plan): `PeakMemory`, the
-component that takes it, and what it is read from.
-
-What a rank measures:
-- CUDA: torch.cuda.max_memory_allocated, the tensors' peak, held against the plan's tensors (its
-  peak without the allocator margin): the planner's error;
-- CPU: the process's peak RSS less its RSS before the model was built (the imports, the process
-  group). RSS also holds what glibc keeps of the memory torch freed and the process's memory that
-  is no tensor, by a policy that varies run to run: it bounds the tensors from above and is shown
-  beside the prediction, not as its error (the grid bench measures the CPU's tensors:
-  docs/planning.md).
-A bad step's replay on a copy of the model (lmsys.training.health) is not the training step's
-memory: it runs in a `diagnosis` span, which the CUDA peak leaves out.
+component that takes it, and what it is read from. On CUDA, torch.cuda.max_memory_allocated against
+the plan's tensors (its peak without the allocator margin): the planner's error. On a CPU, the
+process's peak RSS less its RSS before the model was built; RSS also holds memory that is no tensor
+and what glibc keeps of what torch freed, by a policy that varies run to run: a bound shown beside the
+prediction, not its error (the grid bench measures the CPU's tensors: docs/planning.md). A bad step's
+replay on a copy of the model (lmsys.training.health) runs in a `diagnosis` span the CUDA peak leaves out.
 """
 
 from __future__ import annotations
@@ -35,12 +29,10 @@ from lmsys.training.reporter import Reporter
 
 
 class PeakMemory(Component):
-    """The run's measured peak, once: after the second applied step (the first runs its forward
-    and backward before the optimizer's state exists, every later one beside it), or at the
-    launch's last step. Every rank measures its own; rank 0 writes engine_stats.json (what each
-    rank holds), the `memory` record and the `memory:` line.
-
-    Built before the model (train()): its baseline RSS is taken then."""
+    """The run's measured peak, once: after the second applied step (the first runs before the
+    optimizer's state exists, every later one beside it), or at the launch's last step. Every rank
+    measures its own; rank 0 writes engine_stats.json (what each rank holds), the `memory` record and
+    the `memory:` line. Built before the model (train()): its baseline RSS is taken then."""
 
     def __init__(self, t: TrainerConfig, setup: Setup, plan: Plan | None, report: Reporter) -> None:
         # torch._dynamo is imported by every torch optimizer (its first param group): imported
@@ -57,8 +49,7 @@ class PeakMemory(Component):
         if self.plan is not None:
             self.report.note(startup_line(self.plan))
             self.report.expect_evaluations(self.plan.evaluation_s)
-            warning = evaluation_warning(self.plan)
-            if warning:
+            if warning := evaluation_warning(self.plan):
                 self.report.warn(warning)
 
     def after_step(self, step: Step) -> None:
@@ -89,36 +80,16 @@ class PeakMemory(Component):
         self.report.memory_measured(record, line)
 
 
-# ----------------------------------------------------------------------------- what a peak is read from
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size: VmHWM of /proc/self/status, the peak of its own
-    address space. Not getrusage's ru_maxrss: Linux carries that across exec, so a run started
-    by a large process (a notebook, a test session of 3 GB) would report its parent's peak."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # no procfs: KiB on Linux
-
-
-# lmsys's own diagnostics (a bad step replayed on a replica of the model: lmsys.training.health)
-# hold memory the training step does not: their span is kept out of the measured peak.
-DIAGNOSIS = "lmsys::diagnosis"
+DIAGNOSIS = "lmsys::diagnosis"  # the profiler range of a diagnosis span
 _cuda_peak_before_diagnosis: dict[int, int] = {}  # device index -> the peak before the last one
 _diagnoses = [0]  # how many ran in this process (a peak RSS cannot leave them out)
 
 
 @contextmanager
 def diagnosis(device: torch.device) -> Iterator[None]:
-    """A span the measured peak leaves out. On CUDA the allocator's peak so far is kept and its
-    peak statistic reset after the span (cuda_peak_bytes adds them back); it is also a profiler
-    range, which the grid bench's CPU tensor trace skips. The process's peak RSS cannot leave it out
-    (diagnoses_run)."""
+    """A span the measured peak leaves out. On CUDA the allocator's peak so far is kept and its peak
+    statistic reset after the span (cuda_peak_bytes adds them back); it is a profiler range, which the
+    grid bench's CPU tensor trace skips. A peak RSS cannot leave it out (diagnoses_run)."""
     _diagnoses[0] += 1
     before = cuda_peak_bytes(device) if device.type == "cuda" else None
     try:
@@ -145,14 +116,15 @@ def _cuda_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def memory_gb(device: torch.device) -> float:
-    """Peak memory of this process so far: CUDA allocations on GPU, resident set size on CPU."""
-    if device.type == "cuda":
-        return cuda_peak_bytes(device) / 1e9
-    return peak_rss_bytes() / 1e9
-
-
-# ----------------------------------------------------------------------------- the measured peak
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size: VmHWM of /proc/self/status, the peak of its own address
+    space. Not getrusage's ru_maxrss: Linux carries that across exec, so a run started by a large
+    process (a notebook, a test session of 3 GB) would report its parent's peak."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))  # kB
+    except (OSError, ValueError, IndexError, StopIteration):  # no procfs: getrusage's KiB on Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def rss_bytes() -> int:
@@ -164,13 +136,9 @@ def rss_bytes() -> int:
         return 0
 
 
-def measured_peak_bytes(device: torch.device, baseline_rss: int) -> Measured:
-    """The run's measured peak: CUDA max_memory_allocated (what the plan predicts without its
-    allocator margin); on a CPU the process's peak RSS (peak_rss_bytes) less its RSS after the
-    imports and the process group (taken before the model is built)."""
-    if device.type == "cuda":
-        return Measured(cuda_peak_bytes(device), "cuda_max_allocated")
-    return Measured(peak_rss_bytes() - baseline_rss, "rss", includes_diagnosis=diagnoses_run() > 0)
+def memory_gb(device: torch.device) -> float:
+    """Peak memory of this process so far: CUDA allocations on GPU, resident set size on CPU."""
+    return (cuda_peak_bytes(device) if device.type == "cuda" else peak_rss_bytes()) / 1e9
 
 
 @dataclass(frozen=True)
@@ -180,18 +148,24 @@ class Measured:
     includes_diagnosis: bool = False  # rss: a bad step's replay ran before it (diagnosis)
 
 
+def measured_peak_bytes(device: torch.device, baseline_rss: int) -> Measured:
+    """The run's measured peak: CUDA max_memory_allocated; on a CPU the process's peak RSS less
+    `baseline_rss` (taken before the model is built)."""
+    if device.type == "cuda":
+        return Measured(cuda_peak_bytes(device), "cuda_max_allocated")
+    return Measured(peak_rss_bytes() - baseline_rss, "rss", includes_diagnosis=diagnoses_run() > 0)
+
+
 def memory_line(predicted: int, measured: int, how: Measured) -> str:
-    """The `memory:` line: on CUDA the measured tensors against the prediction, the planner's
-    error; on a CPU the peak RSS beside it, which bounds the tensors from above (module docstring)."""
+    """The `memory:` line: on CUDA the measured tensors against the prediction, the planner's error;
+    on a CPU the peak RSS beside it, a bound on the tensors (module docstring)."""
     if how.by == "cuda_max_allocated":
         diff = (measured - predicted) / predicted if predicted else 0.0
         measures = f"measured {mib(measured)} (max_memory_allocated, {diff:+.0%})"
         return f"memory: predicted {mib(predicted)}, {measures}"
-    line = (
+    replay = "; it includes a bad step's replay on a copy of the model" if how.includes_diagnosis else ""
+    return (
         f"memory: predicted {mib(predicted)} of tensors; the process's peak RSS grew by {mib(measured)}, "
         "which also holds what glibc keeps and memory that is no tensor: a bound, not the planner's error "
-        "(python -m tools.bench plan measures the tensors)"
+        f"(python -m tools.bench plan measures the tensors){replay}"
     )
-    if how.includes_diagnosis:
-        line += "; it includes a bad step's replay on a copy of the model"
-    return line
