@@ -1,24 +1,13 @@
 """The plan against measured runs: `python -m tools.bench plan [smoke=true] [held_out=true]`.
 
-Runs a grid of real short CPU trainings (`python -m lmsys.train`'s training, one process per rank
-under `torchrun --nproc_per_node=2` for 2 ranks; presets tiny, llama_tiny, seed_trax, seed_postln,
-seed_compact, gpt2_124m with vocabularies of at most 8192; ZeRO 0-3 and 3 with offload; micro-batches
-1-8; activation checkpointing on and off; loss_impl full and chunked; packed documents; accumulation
-2) and prints,
-per row, the plan's tensors per rank (lmsys-plan on this machine's CPU) beside the peak of the
-tensors the run allocated (`TensorPeak`, the largest rank's, through its second step), with the
-error, the worst and the median. held_out=true runs five rows of smollm2_135m, a preset in no grid
-row; smoke=true three small 1-rank rows. predict=true prints the GPT-2 GPU prediction table of
-docs/planning.md instead (no runs), context=true its longest-context table under sequence
-parallelism (no runs). Data: a synthetic prepared directory per vocabulary
-(tools.bench.train's), so no corpus is needed.
-
-The measurement is CUDA's max_memory_allocated on a CPU: torch's profiler reports every
-allocation of c10's CPU allocator and every free made on a thread it follows (this one and the
-autograd engine's); the running sum of the live blocks in time order gives the peak. A block a
-gloo worker thread frees goes unseen: it counts until its address is allocated again, which bounds
-the peak from above, and it cannot have been freed before the last op that read it, which bounds it
-from below; a row is within 10% when the plan is within 10% of [measured - unseen, measured].
+Trains a grid of short real CPU runs on synthetic data and prints per row the plan's tensors per
+rank beside the largest rank's traced peak through its second step (tensor_trace.py). A row is
+named <preset>-w<ranks: 2 under torchrun>-z<ZeRO stage>[off: with offload]-mb<micro-batch>-T<tokens>
+-<loss_impl>[-ckpt: activation checkpointing][-docs: packed documents]; its presets have
+vocabularies of at most 8192, its steps accumulate 2 micro-batches. Frees on gloo's threads go
+unseen, so a peak lies in [measured - unseen, measured]; a row is within 10% when the plan is within
+10% of that range. held_out=true: five rows of smollm2_135m, a preset in no grid row; smoke=true:
+three small rows; predict=true, context=true: docs/planning.md's GPU tables instead (no runs).
 """
 
 from __future__ import annotations
@@ -30,7 +19,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import replace
+from itertools import product
 from pathlib import Path
 from typing import Any
 
@@ -51,105 +41,52 @@ OPTIONS = [
     Option("predict", "bool", False, "print the GPU prediction table of docs/planning.md instead (no runs)"),
     Option("context", "bool", False, "print docs/planning.md's longest context per GPU instead (no runs)"),
 ]
-# The shrunk presets: (vocabulary, overrides).
-SHRINK = {
-    "tiny": (2048, []),
-    "llama_tiny": (2048, []),
-    "seed_trax": (8192, []),
-    "seed_postln": (8192, []),
-    "seed_compact": (8192, []),
-    "gpt2_124m": (8192, ["model.vocab_size=8192"]),
-    "smollm2_135m": (8192, ["model.vocab_size=8192"]),
-}
-
-
-@dataclass(frozen=True)
-class Row:
-    preset: str
-    world: int
-    stage: int
-    micro: int
-    seq: int = 128
-    checkpointing: bool = False
-    loss_impl: str = "chunked"
-    offload: bool = False
-    documents: bool = False  # packed documents (data.document_masking)
-
-    @property
-    def name(self) -> str:
-        stage = f"z{self.stage}{'off' if self.offload else ''}"
-        bits = [self.preset, f"w{self.world}", stage, f"mb{self.micro}", f"T{self.seq}", self.loss_impl]
-        bits += ["ckpt"] if self.checkpointing else []
-        return "-".join(bits + (["docs"] if self.documents else []))
-
-    def overrides(self, data_root: Path) -> list[str]:
-        vocab, extra = SHRINK[self.preset]
-        return [
-            f"model={self.preset}",
-            *extra,
-            f"data.dir={data_root / f'data{vocab}'}",
-            f"data.seq_len={self.seq}",
-            f"deepspeed={'zero3_offload' if self.offload else f'zero{self.stage}'}",
-            f"deepspeed.activation_checkpointing={str(self.checkpointing).lower()}",
-            f"model.loss_impl={self.loss_impl}",
-            f"data.document_masking={str(self.documents).lower()}",
-            f"trainer.micro_batch_size={self.micro}",
-            f"trainer.global_batch_tokens={self.micro * self.world * self.seq * 2}",  # accumulation 2
-            "trainer.eval_batches=1",
-            "trainer.eval_interval=1000",
-            "trainer.save_interval=1000",
-            "trainer.keep_last=1",
-            "trainer.progress=false",
-            "optim.warmup_steps=1",
-            "logger=none",
-        ]
-
-
-GRID = [
-    Row("tiny", 1, 0, 8, loss_impl="full"),
-    Row("tiny", 1, 0, 8),
-    Row("tiny", 1, 1, 4),
-    Row("tiny", 1, 2, 4, checkpointing=True),
-    Row("tiny", 1, 3, 2),
-    Row("tiny", 2, 0, 4),
-    Row("tiny", 2, 1, 4, loss_impl="full"),
-    Row("tiny", 2, 2, 4),
-    Row("tiny", 2, 3, 4),
-    Row("tiny", 2, 3, 4, offload=True),
-    Row("tiny", 2, 3, 1, checkpointing=True),
-    Row("llama_tiny", 1, 0, 8, loss_impl="full"),
-    Row("llama_tiny", 1, 2, 4, checkpointing=True),
-    Row("llama_tiny", 2, 1, 4),
-    Row("llama_tiny", 2, 3, 2),
-    Row("llama_tiny", 2, 2, 4, documents=True),
-    Row("seed_trax", 1, 0, 2),
-    Row("seed_trax", 1, 2, 4, checkpointing=True),
-    Row("seed_trax", 2, 1, 2),
-    Row("seed_trax", 2, 3, 2),
-    Row("seed_postln", 1, 1, 4, loss_impl="full"),
-    Row("seed_postln", 2, 0, 2),
-    Row("seed_postln", 2, 2, 8, checkpointing=True),
-    Row("seed_postln", 2, 3, 2, offload=True),
-    Row("seed_compact", 1, 3, 2),
-    Row("seed_compact", 2, 0, 4, loss_impl="full"),
-    Row("seed_compact", 2, 2, 2, seq=256),
-    Row("seed_compact", 2, 3, 8, checkpointing=True),
-    Row("gpt2_124m", 1, 0, 1),
-    Row("gpt2_124m", 2, 3, 2, seq=256, checkpointing=True),
-]
+SHRINK = {  # the shrunk presets: (vocabulary, overrides)
+    "tiny": (2048, []), "llama_tiny": (2048, []),
+    "seed_trax": (8192, []), "seed_postln": (8192, []), "seed_compact": (8192, []),
+    "gpt2_124m": (8192, ["model.vocab_size=8192"]), "smollm2_135m": (8192, ["model.vocab_size=8192"]),
+}  # fmt: skip
+# The rows by name (the module docstring says how it reads), run in this order.
+GRID = """
+    tiny-w1-z0-mb8-T128-full tiny-w1-z0-mb8-T128-chunked tiny-w1-z1-mb4-T128-chunked
+    tiny-w1-z2-mb4-T128-chunked-ckpt tiny-w1-z3-mb2-T128-chunked tiny-w2-z0-mb4-T128-chunked
+    tiny-w2-z1-mb4-T128-full tiny-w2-z2-mb4-T128-chunked tiny-w2-z3-mb4-T128-chunked
+    tiny-w2-z3off-mb4-T128-chunked tiny-w2-z3-mb1-T128-chunked-ckpt
+    llama_tiny-w1-z0-mb8-T128-full llama_tiny-w1-z2-mb4-T128-chunked-ckpt llama_tiny-w2-z1-mb4-T128-chunked
+    llama_tiny-w2-z3-mb2-T128-chunked llama_tiny-w2-z2-mb4-T128-chunked-docs
+    seed_trax-w1-z0-mb2-T128-chunked seed_trax-w1-z2-mb4-T128-chunked-ckpt seed_trax-w2-z1-mb2-T128-chunked
+    seed_trax-w2-z3-mb2-T128-chunked
+    seed_postln-w1-z1-mb4-T128-full seed_postln-w2-z0-mb2-T128-chunked
+    seed_postln-w2-z2-mb8-T128-chunked-ckpt seed_postln-w2-z3off-mb2-T128-chunked
+    seed_compact-w1-z3-mb2-T128-chunked seed_compact-w2-z0-mb4-T128-full
+    seed_compact-w2-z2-mb2-T256-chunked seed_compact-w2-z3-mb8-T128-chunked-ckpt
+    gpt2_124m-w1-z0-mb1-T128-chunked gpt2_124m-w2-z3-mb2-T256-chunked-ckpt
+""".split()
 # A preset in no GRID row, of the family no CPU row was fitted to.
-HELD_OUT = [
-    Row("smollm2_135m", 1, 0, 2),
-    Row("smollm2_135m", 1, 3, 1, checkpointing=True),
-    Row("smollm2_135m", 2, 2, 1, loss_impl="full"),
-    Row("smollm2_135m", 2, 3, 1, offload=True),
-    Row("smollm2_135m", 2, 1, 2, seq=64, checkpointing=True),
-]
-SMOKE = [
-    Row("tiny", 1, 0, 4, seq=64, loss_impl="full"),
-    Row("llama_tiny", 1, 2, 4, seq=64, documents=True),
-    Row("tiny", 1, 3, 2, seq=64),
-]
+HELD_OUT = """
+    smollm2_135m-w1-z0-mb2-T128-chunked smollm2_135m-w1-z3-mb1-T128-chunked-ckpt
+    smollm2_135m-w2-z2-mb1-T128-full smollm2_135m-w2-z3off-mb1-T128-chunked
+    smollm2_135m-w2-z1-mb2-T64-chunked-ckpt
+""".split()
+SMOKE = ["tiny-w1-z0-mb4-T64-full", "llama_tiny-w1-z2-mb4-T64-chunked-docs", "tiny-w1-z3-mb2-T64-chunked"]
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+CONTEXT_STEP = 8192  # context_table's contexts are multiples of this many tokens
+
+
+def row_run(row: str, data_root: Path) -> tuple[int, list[str]]:
+    """The row's ranks and the overrides of its run, from its name."""
+    preset, world, zero, micro, seq, loss_impl, *flags = row.split("-")
+    ranks, micro_batch, seq_len = int(world[1:]), int(micro[2:]), int(seq[1:])
+    vocab, extra = SHRINK[preset]
+    return ranks, [
+        f"model={preset}", *extra, f"data.dir={data_root / f'data{vocab}'}", f"data.seq_len={seq_len}",
+        f"deepspeed={'zero3_offload' if zero == 'z3off' else f'zero{zero[1:]}'}",
+        f"deepspeed.activation_checkpointing={str('ckpt' in flags).lower()}", f"model.loss_impl={loss_impl}",
+        f"data.document_masking={str('docs' in flags).lower()}", f"trainer.micro_batch_size={micro_batch}",
+        f"trainer.global_batch_tokens={micro_batch * ranks * seq_len * 2}",  # accumulation 2
+        "trainer.eval_batches=1", "trainer.eval_interval=1000", "trainer.save_interval=1000",
+        "trainer.keep_last=1", "trainer.progress=false", "optim.warmup_steps=1", "logger=none",
+    ]  # fmt: skip
 
 
 def child_env() -> dict[str, str]:
@@ -161,40 +98,25 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def command(world: int, probe: Path, overrides: list[str]) -> list[str]:
-    """The probe (tensor_trace.py) on 1 rank, or on 2 under torchrun."""
-    args = ["-m", "tools.bench.plan.tensor_trace", str(probe), *overrides]
-    if world == 1:
-        return [sys.executable, *args]
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    return [torchrun, "--standalone", f"--nproc_per_node={world}", *args]
-
-
-def measure(row: Row, root: Path, steps: int, timeout: int) -> dict[str, Any]:
+def measure(row: str, root: Path, steps: int, timeout: int) -> dict[str, Any]:
     """One row: the plan, then the real run; the plan's tensors beside the largest rank's peak."""
-    overrides = row.overrides(root)
-    plan = plan_launch(compose(overrides), row.world, cpu_device(), suggest=False)
-    result: dict[str, Any] = {"row": row.name, "predicted_bytes": plan.tensor_bytes}
-    result["peak_phase"] = plan.peak_phase
-    run_dir, probe = root / "runs" / row.name, root / "runs" / f"{row.name}.peak"
-    proc = subprocess.run(
-        command(row.world, probe, [*overrides, f"trainer.max_steps={steps}", f"trainer.run_dir={run_dir}"]),
-        env=child_env(),
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    world, overrides = row_run(row, root)
+    plan = plan_launch(compose(overrides), world, cpu_device(), suggest=False)
+    result: dict[str, Any] = {"row": row, "predicted_bytes": plan.tensor_bytes, "peak_phase": plan.peak_phase}
+    run_dir, probe = root / "runs" / row, root / "runs" / f"{row}.peak"
+    launcher = [sys.executable] if world == 1 else [TORCHRUN, "--standalone", f"--nproc_per_node={world}"]
+    args = ["-m", "tools.bench.plan.tensor_trace", str(probe), *overrides, f"trainer.max_steps={steps}"]
+    proc = subprocess.run([*launcher, *args, f"trainer.run_dir={run_dir}"], env=child_env(), cwd=root,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
     shutil.rmtree(run_dir, ignore_errors=True)  # its final checkpoint: 1.4 GB for gpt2_124m
     peaks = [json.loads(p.read_text()) for p in sorted(probe.parent.glob(f"{probe.name}.rank*"))]
-    if proc.returncode != 0 or len(peaks) != row.world:
+    if proc.returncode != 0 or len(peaks) != world:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         return {**result, "error": f"exit {proc.returncode}: {' | '.join(tail)}"}
     largest = max(peaks, key=lambda p: p["bytes"])
     measured, unseen = largest["bytes"], largest["unseen_bytes"]
-    low = measured - unseen
-    inside = low * 0.9 <= plan.tensor_bytes <= measured * 1.1
-    return {**result, "measured_bytes": measured, "unseen_bytes": unseen, "within": inside,
+    within = (measured - unseen) * 0.9 <= plan.tensor_bytes <= measured * 1.1
+    return {**result, "measured_bytes": measured, "unseen_bytes": unseen, "within": within,
             "memory_error": plan.tensor_bytes / measured - 1}  # fmt: skip
 
 
@@ -208,8 +130,7 @@ def report(rows: list[dict[str, Any]]) -> str:
             f"{r['row']:<44} {mib(r['predicted_bytes']):>11} {mib(r['measured_bytes']):>11} "
             f"{mib(r['unseen_bytes']):>9} {r['memory_error']:>+7.1%} {r['peak_phase']:<8}"
         )
-    done = [r for r in rows if "error" not in r]
-    if done:
+    if done := [r for r in rows if "error" not in r]:
         errors = [abs(r["memory_error"]) for r in done]
         lines.append(
             f"memory: worst {max(errors):.1%}, median {statistics.median(errors):.1%}, "
@@ -219,18 +140,24 @@ def report(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-PREDICT_MODELS = ("gpt2_124m", "gpt2_350m", "gpt2_774m", "gpt2_1558m")
-PREDICT_DEVICES = ("a100-80gb", "h100")
+def markdown(header: str, rows: list[list[str]]) -> str:
+    """A table as docs/planning.md holds it; `header`'s columns separated by ' | '."""
+    columns = header.split(" | ")
+    lines = ["| " + " | ".join(cells) + " |" for cells in [columns, *rows]]
+    return "\n".join([lines[0], "|" + "---|" * len(columns), *lines[1:]])
+
+
+def with_micro(cfg: Any, micro: int) -> Any:
+    return replace(cfg, trainer=replace(cfg.trainer, micro_batch_size=micro))
 
 
 def largest_micro(base: Any, world: int, device: Any) -> tuple[int, Any]:
     """The largest power-of-two micro-batch (<= 64, splitting the global batch) that fits, and its plan."""
     best: tuple[int, Any] = (0, None)
     for micro in (1, 2, 4, 8, 16, 32, 64):
-        cfg = replace(base, trainer=replace(base.trainer, micro_batch_size=micro))
-        if (cfg.trainer.global_batch_tokens // cfg.data.seq_len) % (micro * world):
+        if (base.trainer.global_batch_tokens // base.data.seq_len) % (micro * world):
             break
-        plan = plan_launch(cfg, world, device, suggest=False)
+        plan = plan_launch(with_micro(base, micro), world, device, suggest=False)
         if not plan.fits:
             break
         best = (micro, plan)
@@ -240,33 +167,20 @@ def largest_micro(base: Any, world: int, device: Any) -> tuple[int, Any]:
 def prediction_table() -> str:
     """gpt2_124m..gpt2_1558m x ZeRO 0-3 x world 1/8/64 at T=1024 (trainer=gpt2's 524,288-token
     global batch): per-GPU peak at micro-batch 1, the largest micro-batch that fits, its tokens/s."""
-    lines = [
-        "| model | ZeRO | world | device | peak per GPU at micro 1 | largest micro that fits | peak there "
-        "| predicted tokens/s (all GPUs) | MFU |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for model in PREDICT_MODELS:
+    rows = []
+    for model in ("gpt2_124m", "gpt2_350m", "gpt2_774m", "gpt2_1558m"):
         composed = compose([f"model={model}", "trainer=gpt2", "optim=gpt2"])
-        for stage in range(4):
+        for stage, world, name in product(range(4), (1, 8, 64), ("a100-80gb", "h100")):
             base = replace(composed, deepspeed=replace(composed.deepspeed, stage=stage))
-            for world in (1, 8, 64):
-                for name in PREDICT_DEVICES:
-                    device = device_spec(name)
-                    one = replace(base, trainer=replace(base.trainer, micro_batch_size=1))
-                    at_one = plan_launch(one, world, device, suggest=False)
-                    micro, plan = largest_micro(base, world, device)
-                    cells = [model, f"{stage}", f"{world}", name, mib(at_one.peak_bytes)]
-                    if plan is None:
-                        cells += ["none", "-", "-", "-"]
-                    else:
-                        speed = f"{plan.tokens_per_s:,.0f}"
-                        cells += [f"{micro}", mib(plan.peak_bytes), speed, f"{plan.mfu:.0%}"]
-                    lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-CONTEXT_MODELS = ("llama3_2_1b", "gpt2_350m")
-CONTEXT_STEP = 8192  # the table's contexts are multiples of this many tokens
+            device = device_spec(name)
+            at_one = plan_launch(with_micro(base, 1), world, device, suggest=False)
+            micro, plan = largest_micro(base, world, device)
+            there = ["none", "-", "-", "-"]
+            if plan is not None:
+                there = [f"{micro}", mib(plan.peak_bytes), f"{plan.tokens_per_s:,.0f}", f"{plan.mfu:.0%}"]
+            rows.append([model, f"{stage}", f"{world}", name, mib(at_one.peak_bytes), *there])
+    header = "model | ZeRO | world | device | peak per GPU at micro 1 | largest micro that fits | peak there"
+    return markdown(f"{header} | predicted tokens/s (all GPUs) | MFU", rows)
 
 
 def context_plan(model: str, size: int, length: int, world: int = 8) -> Any:
@@ -282,29 +196,23 @@ def context_plan(model: str, size: int, length: int, world: int = 8) -> Any:
 def context_table() -> str:
     """Per model and P = 1, 2, 4, 8 on 8 H100: the longest multiple of CONTEXT_STEP tokens whose
     predicted peak fits (a bisection over the plan's peak, which grows with the context)."""
-    lines = [
-        "| model | P | longest T | predicted peak per GPU | predicted step time | tokens/s (all GPUs) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for model in CONTEXT_MODELS:
-        for size in (1, 2, 4, 8):
-            low, high = 0, 1
-            while context_plan(model, size, high * CONTEXT_STEP).fits:
-                low, high = high, 2 * high
-            while high - low > 1:  # low fits (or is 0), high does not
-                middle = (low + high) // 2
-                low, high = (
-                    (middle, high) if context_plan(model, size, middle * CONTEXT_STEP).fits else (low, middle)
-                )
-            if low == 0:
-                lines.append(f"| {model} | {size} | none | - | - | - |")
-                continue
-            plan = context_plan(model, size, low * CONTEXT_STEP)
-            lines.append(
-                f"| {model if size == 1 else ''} | {size} | {low * CONTEXT_STEP:,} | "
-                f"{plan.peak_bytes / 2**30:.2f} GiB | {plan.step_time_s:,.0f} s | {plan.tokens_per_s:,.0f} |"
-            )
-    return "\n".join(lines)
+    rows = []
+    for model, size in product(("llama3_2_1b", "gpt2_350m"), (1, 2, 4, 8)):
+        low, high = 0, 1
+        while context_plan(model, size, high * CONTEXT_STEP).fits:
+            low, high = high, 2 * high
+        while high - low > 1:  # low fits (or is 0), high does not
+            middle = (low + high) // 2
+            fits = context_plan(model, size, middle * CONTEXT_STEP).fits
+            low, high = (middle, high) if fits else (low, middle)
+        if not (longest := low * CONTEXT_STEP):
+            rows.append([model, f"{size}", "none", "-", "-", "-"])
+            continue
+        plan = context_plan(model, size, longest)
+        cells = [f"{longest:,}", f"{plan.peak_bytes / 2**30:.2f} GiB", f"{plan.step_time_s:,.0f} s"]
+        rows.append([model if size == 1 else "", f"{size}", *cells, f"{plan.tokens_per_s:,.0f}"])
+    header = "model | P | longest T | predicted peak per GPU | predicted step time | tokens/s (all GPUs)"
+    return markdown(header, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -318,10 +226,10 @@ def main(argv: list[str] | None = None) -> int:
             print(prediction_table() if opts["predict"] else context_table())
             return 0
         rows = SMOKE if opts["smoke"] else HELD_OUT if opts["held_out"] else GRID
-        rows = [r for r in rows if not opts["only"] or opts["only"] in r.name]
+        rows = [r for r in rows if not opts["only"] or opts["only"] in r]
         with tempfile.TemporaryDirectory(prefix="tools-bench-plan-") as scratch:
             root = Path(scratch)
-            for vocab in sorted({SHRINK[r.preset][0] for r in rows}):
+            for vocab in sorted({SHRINK[r.split("-")[0]][0] for r in rows}):  # a name starts with its preset
                 write_synthetic_data(root / f"data{vocab}", vocab, 300_000)
             results = []
             for row in rows:

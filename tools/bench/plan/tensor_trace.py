@@ -1,24 +1,22 @@
-"""The grid bench's probe (tools.bench.plan.grid): one rank's training, with the peak of its CPU tensors
-traced through its second step, written to `<OUT>.rank<R>` as {"bytes", "unseen_bytes"}.
+"""The grid bench's probe (grid.py): `python -m tools.bench.plan.tensor_trace OUT [overrides]`, one
+rank's training (under torchrun, each rank's) with the peak of its CPU tensors through its second
+step written to `<OUT>.rank<R>` as {"bytes", "unseen_bytes"}.
 
-    python -m tools.bench.plan.tensor_trace OUT model=tiny trainer.max_steps=3 ...
-    torchrun --standalone --nproc_per_node=2 -m tools.bench.plan.tensor_trace OUT ...
-
-`TensorPeak` is CUDA's max_memory_allocated on a CPU, from torch's profiler (profile_memory): c10's
-CPU allocator reports every allocation, and every free made on a thread the profiler follows (this
-one, the autograd engine's). A block a gloo worker thread frees last goes unseen: it counts until
-its address is allocated again (an upper bound), and it cannot have been freed before the last op
-that read it (a lower bound): `unseen_bytes` is the difference. lmsys's diagnoses (a bad step
-replayed on a copy of the model, lmsys.training.peak_memory.diagnosis) take no peak.
+`TensorPeak` is CUDA's max_memory_allocated on a CPU, from torch's profiler: c10's CPU allocator
+reports every allocation, and every free made on a thread the profiler follows. A block a gloo
+worker thread frees goes unseen: it counts until its address is allocated again (an upper bound),
+and it was freed no earlier than the last op that read it (a lower bound): `unseen_bytes` is the
+difference. lmsys's diagnoses (a bad step replayed: lmsys.training.peak_memory.diagnosis) take no peak.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import math
 import sys
+from contextlib import suppress
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,9 +32,9 @@ from lmsys.training.peak_memory import DIAGNOSIS
 from lmsys.training.run import train
 
 PROG = "tools.bench tensor_trace"
-# tensors without data of their own: a plan's fake tensors left alive in the same process
-DATALESS = (FakeTensor, FunctionalTensor)
+DATALESS = (FakeTensor, FunctionalTensor)  # no data of their own: a plan's fake tensors left alive here
 Event = tuple[int, int, int]  # (time ns, address, +bytes allocated or -bytes freed)
+Unseen = tuple[int, int, float]  # (address, allocated at, allocated again at: inf if never)
 
 
 class TensorPeak:
@@ -51,11 +49,10 @@ class TensorPeak:
         self.profile.stop()
         events: list[Event] = []
         reads: dict[int, list[int]] = {}  # storage address -> the ends of the ops that read it
-        skipped: list[tuple[int, int]] = []
-        pending = list(self.profile.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
-        while pending:
-            node = pending.pop()
-            pending.extend(node.children)
+        skipped: list[tuple[int, int]] = []  # the diagnoses' spans
+        nodes = list(self.profile.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
+        for node in nodes:  # the list grows by each node's children: every node, once
+            nodes.extend(node.children)
             kind, fields = node.typed
             if kind == _EventType.Allocation and fields.device.type == "cpu":
                 events.append((node.start_time_ns, fields.ptr, fields.alloc_size))
@@ -69,23 +66,22 @@ class TensorPeak:
         events.sort()
         upper, unseen = running_peak(events, skipped)
         alive = _cpu_addresses()
-        early = []  # each unseen free at the last read of its block before its address came back
-        for ptr, born, gone in unseen:
-            if gone is None and ptr in alive:
-                continue  # alive at the end: its free was not missed
-            ends = [e for e in reads.get(ptr, ()) if born <= e and (gone is None or e <= gone)]
-            early.append((max(ends, default=born), ptr, -1))
+        # each unseen free at the last read of its block before its address came back (a block
+        # alive at the end was not freed)
+        early = [
+            (max((end for end in reads.get(ptr, ()) if born <= end <= gone), default=born), ptr, -1)
+            for ptr, born, gone in unseen
+            if gone < math.inf or ptr not in alive
+        ]
         lower, _ = running_peak(sorted(events + early, key=lambda e: (e[0], e[2] > 0)), skipped)
         return upper, upper - lower
 
 
-def running_peak(
-    events: list[Event], skipped: list[tuple[int, int]]
-) -> tuple[int, list[tuple[int, int, int | None]]]:
+def running_peak(events: list[Event], skipped: list[tuple[int, int]]) -> tuple[int, list[Unseen]]:
     """The peak of the live blocks over time-ordered events (none taken inside `skipped` spans),
-    and the blocks whose free no event reported: (address, allocated at, allocated again at)."""
+    and the blocks whose free no event reported."""
     live: dict[int, tuple[int, int]] = {}  # address -> (bytes, allocated at)
-    unseen: list[tuple[int, int, int | None]] = []
+    unseen: list[Unseen] = []
     total = peak = 0
     for time, ptr, size in events:
         if ptr in live:
@@ -98,20 +94,17 @@ def running_peak(
             total += size
         if total > peak and not any(start <= time <= end for start, end in skipped):
             peak = total
-    return peak, unseen + [(ptr, born, None) for ptr, (_, born) in live.items()]
+    return peak, unseen + [(ptr, born, math.inf) for ptr, (_, born) in live.items()]
 
 
 def _cpu_addresses() -> set[int]:
-    """The storage address of every CPU tensor Python holds now (by type: isinstance reads
-    __class__, which some objects warn on)."""
+    """The storage address of every CPU tensor Python holds now."""
     found = set()
     for obj in gc.get_objects():
-        kind = type(obj)
+        kind = type(obj)  # not isinstance: it reads __class__, which some objects warn on
         if issubclass(kind, torch.Tensor) and not issubclass(kind, DATALESS) and obj.device.type == "cpu":
-            try:
+            with suppress(RuntimeError):  # no storage (a sparse tensor, a wrapper subclass)
                 found.add(obj.untyped_storage().data_ptr())
-            except RuntimeError:  # no storage (a sparse tensor, a wrapper subclass)
-                pass
     return found
 
 
@@ -122,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         if not argv:
             raise UsageError(f"usage: python -m {__spec__.name if __spec__ else PROG} OUT [overrides]")
         out, cfg = Path(argv[0]), compose(argv[1:])
-        trace: list[Any] = [TensorPeak()]
+        trace: list[TensorPeak] = [TensorPeak()]
 
         def after(step: int) -> None:  # the second step: Adam's state exists (PeakMemory's moment)
             if step == 2 and trace:
