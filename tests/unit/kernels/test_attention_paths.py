@@ -1,8 +1,8 @@
-"""The attention kernels' code paths that the issue-3 grid does not reach: softmax scales of any sign
-(the forward folds |scale| into exp2 and negates q for a negative one), and the TMA path that sm_90
-takes, run here through the Triton interpreter, which executes tensor descriptors (bounds and zero
-fill included) on CPU tensors. The launch records are also checked: which loads a target gets, and
-that the pruner hook shapes the descriptors for each tiling.
+"""The attention kernels' code paths that test_flash_attention's grid does not reach: softmax
+scales of any sign (the forward folds |scale| into exp2 and negates q for a negative one), and the
+TMA path that sm_90 takes, run here through the Triton interpreter, which executes tensor
+descriptors (bounds and zero fill included) on CPU tensors. The launch records are also checked:
+which loads a target gets, and that the pruner hook shapes the descriptors for each tiling.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 
 from kernels.flash_attention import attention_reference, flash_attention
 from tests.conftest import DEVICE
+from tests.fixtures.reference import assert_matches_reference, attention_inputs
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="forces the TMA path through the CPU interpreter")
 
@@ -22,32 +23,10 @@ def _module():
     return importlib.import_module("kernels.flash_attention")
 
 
-def _inputs(B, H, T, d_qk, d_vo, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    make = lambda *shape: torch.randn(*shape, generator=g).to(dtype)
-    q = make(B, H, T, d_qk).requires_grad_()  # (B, H, T, d_qk)
-    k = make(B, H, T, d_qk).requires_grad_()  # (B, H, T, d_qk)
-    v = make(B, H, T, d_vo).requires_grad_()  # (B, H, T, d_vo)
-    do = make(B, H, T, d_vo)  # (B, H, T, d_vo)
-    return q, k, v, do
-
-
 def _check(q, k, v, do, causal, scale, atol, rtol):
     out = flash_attention(q, k, v, causal=causal, scale=scale)
-    out.backward(do)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = attention_reference(q64, k64, v64, causal=causal, scale=scale)
-    ref.backward(do.double())
-    for name, ours, theirs in (
-        ("o", out, ref),
-        ("dq", q.grad, q64.grad),
-        ("dk", k.grad, k64.grad),
-        ("dv", v.grad, v64.grad),
-    ):
-        bound = atol * max(1.0, theirs.abs().max().item())
-        torch.testing.assert_close(
-            ours.double(), theirs, atol=bound, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}"
-        )
+    reference = lambda q64, k64, v64: attention_reference(q64, k64, v64, causal=causal, scale=scale)
+    assert_matches_reference(out, (q, k, v), do, reference, atol, rtol)
 
 
 SCALES = [-1.0, -0.125, 0.0, 1.0, 3.0]
@@ -57,13 +36,13 @@ SCALES = [-1.0, -0.125, 0.0, 1.0, 3.0]
 @pytest.mark.parametrize("scale", SCALES)
 def test_any_sign_of_scale(scale, causal):
     """Negative scales flip which logit is the row max; 0 gives a uniform softmax; 1 is seed 000's."""
-    q, k, v, do = _inputs(1, 2, 45, 24, 40, torch.float32, seed=11)
+    q, k, v, do = attention_inputs(1, 2, 45, 24, 40, torch.float32, seed=11)
     _check(q, k, v, do, causal, scale, 1e-5, 1e-5)
 
 
 def test_negative_scale_is_not_the_positive_one():
     """Guards the test above against a kernel that ignores the sign: the two outputs differ."""
-    q, k, v, _ = _inputs(1, 1, 17, 16, 16, torch.float32, seed=12)
+    q, k, v, _ = attention_inputs(1, 1, 17, 16, 16, torch.float32, seed=12)
     with torch.no_grad():
         assert not torch.allclose(flash_attention(q, k, v, scale=0.5), flash_attention(q, k, v, scale=-0.5))
 
@@ -98,14 +77,14 @@ TMA_CASES = [
 @pytest.mark.parametrize("case", TMA_CASES, ids=lambda c: "B{}H{}T{}-dqk{}-dvo{}-causal{}-scale{}".format(*c))
 def test_tma_path_matches_reference(sm90, case):
     B, H, T, d_qk, d_vo, causal, scale = case
-    q, k, v, do = _inputs(B, H, T, d_qk, d_vo, torch.float16, seed=13)
+    q, k, v, do = attention_inputs(B, H, T, d_qk, d_vo, torch.float16, seed=13)
     _check(q, k, v, do, causal, scale, 5e-3, 5e-3)
     assert sm90 and all(sm90), "every launch should have taken the descriptor path"
 
 
 def test_tma_unfit_inputs_take_the_pointer_path(sm90):
     """A last-dim stride of 2 cannot be described by TMA: launches that stream K take pointers."""
-    q, k, v, do = _inputs(1, 1, 20, 32, 16, torch.float16, seed=14)
+    q, k, v, do = attention_inputs(1, 1, 20, 32, 16, torch.float16, seed=14)
     k_strided = torch.randn(1, 1, 20, 64).to(torch.float16)[..., ::2].requires_grad_()  # (1, 1, 20, 32)
     _check(q, k_strided, v, do, True, None, 5e-3, 5e-3)
     # forward (streams K, V), dK/dV (streams Q, dO), dQ (streams K, V)
@@ -157,18 +136,8 @@ def test_tma_path_with_grouped_heads_and_documents(sm90):
     do = make(2, 4, 70, 16)
     documents = torch.tensor([[0] * 40 + [1] + [2] * 29, [3] * 3 + [4] * 67])
     out = flash_attention(q, k, v, causal=True, documents=documents)
-    out.backward(do)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = document_attention_reference(q64, repeat_kv(k64, 2), repeat_kv(v64, 2), documents, True)
-    ref.backward(do.double())
-    for name, ours, theirs in (
-        ("o", out, ref),
-        ("dq", q.grad, q64.grad),
-        ("dk", k.grad, k64.grad),
-        ("dv", v.grad, v64.grad),
-    ):
-        bound = 5e-3 * max(1.0, theirs.abs().max().item())
-        torch.testing.assert_close(
-            ours.double(), theirs, atol=bound, rtol=5e-3, msg=lambda m, n=name: f"{n}: {m}"
-        )
+    reference = lambda q64, k64, v64: document_attention_reference(
+        q64, repeat_kv(k64, 2), repeat_kv(v64, 2), documents, True
+    )
+    assert_matches_reference(out, (q, k, v), do, reference, 5e-3, 5e-3)
     assert sm90 and all(sm90), "every launch should have taken the descriptor path"

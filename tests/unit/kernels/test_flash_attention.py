@@ -21,6 +21,7 @@ from kernels.flash_attention import (
     flash_attention_forward,
 )
 from tests.conftest import DEVICE
+from tests.fixtures.reference import assert_matches_reference, attention_inputs
 
 GPU_ONLY_BF16 = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -100,37 +101,13 @@ def _case_id(case: tuple) -> str:
     return f"B{B}H{H}T{T}-dqk{d_qk}-dvo{d_vo}-{'causal' if causal else 'full'}-scale{scale}"
 
 
-def _inputs(B: int, H: int, T: int, d_qk: int, d_vo: int, dtype: torch.dtype, seed: int = 0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    make = lambda *shape: torch.randn(*shape, generator=g).to(device=DEVICE, dtype=dtype)
-    q = make(B, H, T, d_qk).requires_grad_()  # (B, H, T, d_qk)
-    k = make(B, H, T, d_qk).requires_grad_()  # (B, H, T, d_qk)
-    v = make(B, H, T, d_vo).requires_grad_()  # (B, H, T, d_vo)
-    do = make(B, H, T, d_vo)  # (B, H, T, d_vo)
-    return q, k, v, do
-
-
 def _check_against_reference(q, k, v, do, causal, scale, atol, rtol):
     """Run ours and the float64 reference on the same values; compare o, dq, dk, dv."""
     out = flash_attention(q, k, v, causal=causal, scale=scale)
     assert out.dtype == q.dtype and out.shape == (*q.shape[:3], v.shape[3])
-    out.backward(do)
-
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = attention_reference(q64, k64, v64, causal=causal, scale=scale)
-    ref.backward(do.double())
-
-    for name, ours, theirs in (
-        ("o", out, ref),
-        ("dq", q.grad, q64.grad),
-        ("dk", k.grad, k64.grad),
-        ("dv", v.grad, v64.grad),
-    ):
-        assert ours.dtype == q.dtype, name
-        bound = atol * max(1.0, theirs.abs().max().item())
-        torch.testing.assert_close(
-            ours.double(), theirs, atol=bound, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}"
-        )
+    reference = lambda q64, k64, v64: attention_reference(q64, k64, v64, causal=causal, scale=scale)
+    assert_matches_reference(out, (q, k, v), do, reference, atol, rtol)
+    assert all(t.dtype == q.dtype for t in (q.grad, k.grad, v.grad))
 
 
 @pytest.mark.parametrize("dtype_tol", DTYPES)
@@ -138,7 +115,7 @@ def _check_against_reference(q, k, v, do, causal, scale, atol, rtol):
 def test_matches_reference(case, dtype_tol):
     B, H, T, d_qk, d_vo, causal, scale = case
     dtype, atol, rtol = dtype_tol
-    q, k, v, do = _inputs(B, H, T, d_qk, d_vo, dtype)
+    q, k, v, do = attention_inputs(B, H, T, d_qk, d_vo, dtype)
     _check_against_reference(q, k, v, do, causal, scale, atol, rtol)
 
 
@@ -153,7 +130,7 @@ def test_multi_block_tilings(monkeypatch, block_m, block_n, causal):
     for kind in ("fwd", "dkdv", "dq"):
         monkeypatch.setitem(INTERPRETER_TILES, kind, tiling)
     monkeypatch.setitem(INTERPRETER_TILES, "preprocess", {"BLOCK_M": block_m})
-    q, k, v, do = _inputs(1, 1, 70, 40, 24, torch.float32, seed=1)
+    q, k, v, do = attention_inputs(1, 1, 70, 40, 24, torch.float32, seed=1)
     _check_against_reference(q, k, v, do, causal, None, 1e-5, 1e-5)
 
 
@@ -171,7 +148,7 @@ def test_every_gpu_config(monkeypatch, kind):
         meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
         monkeypatch.setattr(fa, "_fixed_tiling", lambda k, meta=meta: meta if k == kind else {})
         for causal in (True, False):
-            q, k, v, do = _inputs(2, 2, 300, 64, 96, torch.float16)
+            q, k, v, do = attention_inputs(2, 2, 300, 64, 96, torch.float16)
             try:
                 _check_against_reference(q, k, v, do, causal, None, 5e-3, 5e-3)
             except triton.runtime.errors.OutOfResources:
@@ -243,7 +220,7 @@ def test_non_contiguous_inputs():
 
 def test_backward_is_deterministic():
     """No atomics: two backward passes give bitwise-identical gradients."""
-    q, k, v, do = _inputs(1, 2, 70, 40, 48, torch.float16, seed=3)
+    q, k, v, do = attention_inputs(1, 2, 70, 40, 48, torch.float16, seed=3)
     o, lse = flash_attention_forward(q.detach(), k.detach(), v.detach(), causal=True)
     first = flash_attention_backward(do, q.detach(), k.detach(), v.detach(), o, lse, causal=True)
     second = flash_attention_backward(do, q.detach(), k.detach(), v.detach(), o, lse, causal=True)
@@ -252,7 +229,7 @@ def test_backward_is_deterministic():
 
 
 def test_default_scale_is_inverse_sqrt_dqk():
-    q, k, v, _ = _inputs(1, 1, 17, 40, 24, torch.float32, seed=4)
+    q, k, v, _ = attention_inputs(1, 1, 17, 40, 24, torch.float32, seed=4)
     with torch.no_grad():
         default = flash_attention(q, k, v, causal=False)
         explicit = flash_attention(q, k, v, causal=False, scale=1.0 / math.sqrt(40))

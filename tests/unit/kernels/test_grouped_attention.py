@@ -17,6 +17,7 @@ from kernels.flash_attention import (
 )
 from kernels.reference import repeat_kv
 from tests.conftest import DEVICE
+from tests.fixtures.reference import assert_matches_reference
 
 # (B, H, H_kv, T, d_qk, d_vo, causal, dtype, atol); group size 1 is every other attention test.
 CASES = [
@@ -42,23 +43,12 @@ def test_matches_the_reference_with_repeated_heads(case):
     b, h, h_kv, t, d_qk, d_vo, causal, dtype, atol = case
     q, k, v, do = _inputs(b, h, h_kv, t, d_qk, d_vo, dtype)
     out = flash_attention(q, k, v, causal=causal)
-    out.backward(do)
-    assert out.shape == (b, h, t, d_vo) and k.grad.shape == k.shape and v.grad.shape == v.shape
-
-    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
     groups = h // h_kv
-    want = attention_reference(q64, repeat_kv(k64, groups), repeat_kv(v64, groups), causal=causal)
-    want.backward(do.double())
-    for name, got, expected in (
-        ("o", out, want),
-        ("dq", q.grad, q64.grad),
-        ("dk", k.grad, k64.grad),
-        ("dv", v.grad, v64.grad),
-    ):
-        bound = atol * max(1.0, expected.abs().max().item())
-        torch.testing.assert_close(
-            got.double(), expected, atol=bound, rtol=atol, msg=lambda m, n=name: f"{n}: {m}"
-        )
+    reference = lambda q64, k64, v64: attention_reference(
+        q64, repeat_kv(k64, groups), repeat_kv(v64, groups), causal=causal
+    )
+    assert_matches_reference(out, (q, k, v), do, reference, atol, atol)
+    assert out.shape == (b, h, t, d_vo) and k.grad.shape == k.shape and v.grad.shape == v.shape
 
 
 def test_grouped_backward_is_deterministic():
