@@ -95,11 +95,16 @@ def test_triton_model_equals_torch_model(preset: str, monkeypatch: pytest.Monkey
     loss_fused.backward()
     torch.testing.assert_close(fused(tokens[:, :-1]), reference(tokens[:, :-1]), atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(loss_fused, loss_ref, atol=2e-6, rtol=1e-5)
+    _assert_same_gradients(fused, reference)
+
+
+def _assert_same_gradients(fused: torch.nn.Module, reference: torch.nn.Module) -> None:
+    """Every parameter's gradient as the torch model's, to fp32 rounding relative to the tensor's
+    largest entry (k biases get exactly-zero gradients in exact arithmetic: softmax ignores a
+    per-row shift, hence the floor). Observed <= 5e-7."""
     grads_ref = dict(reference.named_parameters())
     for name, p in fused.named_parameters():
         expected = grads_ref[name].grad
-        # fp32 rounding relative to the tensor's largest entry (k biases get exactly-zero gradients
-        # in exact arithmetic: softmax ignores a per-row shift, hence the floor). Observed <= 5e-7.
         atol = 1e-5 * max(expected.abs().max().item(), 1e-2)
         torch.testing.assert_close(p.grad, expected, atol=atol, rtol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
 
@@ -133,11 +138,7 @@ def test_llama_family_triton_model_equals_torch_model(monkeypatch) -> None:
     loss_ref.backward()
     loss_fused.backward()
     torch.testing.assert_close(loss_fused, loss_ref, atol=2e-6, rtol=1e-5)
-    grads_ref = dict(reference.named_parameters())
-    for name, p in fused.named_parameters():
-        expected = grads_ref[name].grad
-        atol = 1e-5 * max(expected.abs().max().item(), 1e-2)
-        torch.testing.assert_close(p.grad, expected, atol=atol, rtol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
+    _assert_same_gradients(fused, reference)
 
 
 def test_auto_uses_torch_on_cpu_and_triton_on_cuda() -> None:
