@@ -250,6 +250,26 @@ def test_a_flag_is_named_as_the_override_it_means(capsys):
         assert f"did you mean {meant}?" in lines[0]
 
 
+def test_bad_option_values_are_one_line_each(capsys):
+    """lmsys-plan's own options, checked before anything is planned: exit 2, one line naming the
+    value; --help prints every option."""
+    from lmsys.plan import main
+
+    for argv, named in (
+        (["world=0"], "world=0 must be >= 1"),
+        (["device_memory=-5"], "device_memory=-5 must be >= 1"),
+        (["world=two"], "world='two' is not valid"),
+        (["json=maybe"], "json='maybe' is not valid"),
+        (["device=h300"], "device='h300' is not valid; choose one of: cpu, v100-16gb"),
+    ):
+        assert main(argv) == 2, argv
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert lines == [lines[0]] and lines[0].startswith("lmsys-plan: error: ") and named in lines[0], lines
+    assert main(["--help"]) == 0
+    shown = capsys.readouterr().out
+    assert all(f"  {key} " in shown for key in ("world", "device", "device_memory", "json", "check")), shown
+
+
 def test_the_cuda_line_is_the_planners_error_and_the_diagnosis_is_named():
     mib = 2**20
     assert memory_line(100 * mib, 105 * mib, Measured(105 * mib, "cuda_max_allocated")).endswith(
