@@ -986,9 +986,10 @@ _TUNE_KEY = ["T_BUCKET", "D_QK", "D_VO", "CAUSAL", "GROUP", "HAS_DOCS"]
 Tile = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 
 # Every candidate, in order of preference (under deterministic algorithms the first that fits is
-# the one launched). All of them compile without spilling and launch on sm_80 and sm_90 at head
-# widths up to 64 (`python -m tools.inspect`). A 128-row tile takes 8 warps: with 4, the (128, d)
-# fp32 accumulator alone is d registers per thread and the scores tile comes on top.
+# the one launched). At head widths up to 64 all of them compile without spilling and launch on
+# sm_80 and sm_90 (`python -m tools.inspect`; with grouped heads or documents, less
+# _VARIANT_SPILLS). A 128-row tile takes 8 warps: with 4, the (128, d) fp32 accumulator alone is
+# d registers per thread and the scores tile comes on top.
 _FWD_CONFIGS: list[Tile] = [
     (128, 64, 8, 4),
     (128, 64, 8, 3),
@@ -1009,6 +1010,8 @@ _DKDV_CONFIGS: list[Tile] = [
     (16, 64, 4, 3),
     (32, 32, 4, 2),
     (32, 32, 8, 2),
+    (16, 128, 8, 3),  # the last two: what grouped heads keep at d = 128 beside 32 x 32 (no timing yet)
+    (16, 64, 8, 2),
 ]
 # dQ: a program owns BLOCK_M queries and streams BLOCK_N keys.
 _DQ_CONFIGS: list[Tile] = [
@@ -1037,9 +1040,9 @@ _WIDE_HEADS: dict[str, dict[int, dict[int, list[Tile]]]] = {
     },
     "dkdv": {
         128: {
-            80: [(16, 64, 4, 3), (32, 32, 4, 2), (32, 32, 8, 2)],
+            80: [(16, 64, 4, 3), (32, 32, 4, 2), (32, 32, 8, 2), (16, 128, 8, 3), (16, 64, 8, 2)],
             90: [(32, 128, 8, 2), (32, 128, 8, 3), (32, 64, 4, 3), (16, 64, 4, 3), (32, 32, 4, 2),
-                 (32, 32, 8, 2)],
+                 (32, 32, 8, 2), (16, 128, 8, 3), (16, 64, 8, 2)],
         },
         256: {80: [(32, 32, 8, 2)], 90: [(32, 32, 8, 2)]},
     },
@@ -1056,14 +1059,32 @@ _WIDE_HEADS: dict[str, dict[int, dict[int, list[Tile]]]] = {
 }  # fmt: skip
 GENERATIONS = (80, 90)  # the targets the lists were inspected on
 
-# Packed documents (HAS_DOCS) hold each row's document bounds in registers on top: the listed tiles
-# that then spill, by kernel, padded head width (64: up to 64) and generation, bf16, causal, with
-# grouped heads (`python -m tools.inspect --attn-variants gqa-docs`, Triton 3.9).
-_SPILL_WITH_DOCUMENTS: dict[str, dict[int, dict[int, set[Tile]]]] = {
-    "fwd": {64: {80: {(64, 128, 4, 2)}}},
-    "dkdv": {64: {80: {(64, 128, 8, 2)}}, 128: {80: {(16, 64, 4, 3)}, 90: {(16, 64, 4, 3), (32, 64, 4, 3)}}},
-    "dq": {64: {80: {(64, 64, 4, 2)}}},
-}
+# Grouped heads (GROUP > 1: a dK/dV program loops over its query heads) and packed documents
+# (HAS_DOCS: each row's document bounds in registers) take more registers: the listed tiles that
+# then spill, by the launch's feature, kernel, padded head width (64: up to 64) and generation. A
+# launch with both leaves out both sets. From `python -m tools.inspect --attn-variants
+# gqa,docs,gqa-docs` (head widths 16 to 256, bf16 and fp16, both masks, both load paths; Triton
+# 3.9): a tile that spills in any of those cases is left out of all of them.
+_VARIANT_SPILLS: dict[str, dict[str, dict[int, dict[int, set[Tile]]]]] = {
+    "grouped": {
+        "dkdv": {
+            64: {80: {(64, 128, 8, 2)}, 90: {(32, 64, 4, 3), (64, 128, 8, 2), (32, 32, 4, 2)}},
+            128: {80: {(16, 128, 8, 3), (16, 64, 4, 3)},
+                  90: {(32, 128, 8, 2), (32, 128, 8, 3), (32, 64, 4, 3), (16, 64, 4, 3), (32, 32, 8, 2)}},
+        },
+    },
+    "documents": {
+        "fwd": {
+            64: {80: {(64, 128, 4, 2), (128, 128, 8, 2), (128, 64, 8, 3)}},
+            128: {90: {(128, 128, 8, 2), (64, 128, 4, 2)}},
+        },
+        "dkdv": {
+            64: {80: {(64, 128, 8, 2)}, 90: {(32, 32, 8, 2)}},
+            128: {80: {(16, 64, 4, 3)}, 90: {(16, 64, 4, 3), (32, 64, 4, 3)}},
+        },
+        "dq": {64: {80: {(64, 64, 4, 2)}}, 128: {80: {(64, 64, 4, 2)}}},
+    },
+}  # fmt: skip
 
 # Report names of the tuned kernels.
 KERNEL_NAMES = {"fwd": "attn_fwd", "dkdv": "attn_bwd_dkdv", "dq": "attn_bwd_dq"}
@@ -1072,15 +1093,21 @@ KERNEL_NAMES = {"fwd": "attn_fwd", "dkdv": "attn_bwd_dkdv", "dq": "attn_bwd_dq"}
 TMA_MIN_CAPABILITY = 90
 
 
-def listed_configs(kind: str, head_width: int, capability: int, documents: bool = False) -> list[Tile]:
-    """The candidates listed for a padded head width on a GPU of `capability`, with or without
-    packed documents."""
+def listed_configs(
+    kind: str, head_width: int, capability: int, grouped: bool = False, documents: bool = False
+) -> list[Tile]:
+    """The candidates listed for a padded head width on a GPU of `capability`, less those that
+    spill with grouped heads or packed documents when the launch has them."""
     generation = max((g for g in GENERATIONS if g <= capability), default=GENERATIONS[0])
     by_generation = _WIDE_HEADS[kind].get(head_width)
     listed = CONFIGS[kind] if by_generation is None else by_generation[generation]  # None: up to 64
-    if not documents:
-        return listed
-    spills = _SPILL_WITH_DOCUMENTS[kind].get(max(head_width, 64), {}).get(generation, set())
+    features = [name for name, used in (("grouped", grouped), ("documents", documents)) if used]
+    spills = set().union(
+        *(
+            _VARIANT_SPILLS[name].get(kind, {}).get(max(head_width, 64), {}).get(generation, set())
+            for name in features
+        )
+    )
     return [tile for tile in listed if tile not in spills] or listed
 
 
@@ -1121,7 +1148,8 @@ def prune_configs(
        than the sequence (longer ones only waste work).
     """
     width = max(args["BLOCK_DQK"], args["BLOCK_DVO"])
-    listed = set(listed_configs(kind, width, device.capability, bool(args.get("HAS_DOCS"))))
+    grouped, documents = args.get("GROUP", 1) > 1, bool(args.get("HAS_DOCS"))
+    listed = set(listed_configs(kind, width, device.capability, grouped, documents))
     pool = [c for c in configs if _tile(c) in listed] or list(configs)
     elem = args["Q"].element_size()
     if elem == 4:

@@ -151,19 +151,21 @@ def test_layer_norm_backward_keeps_enough_loads_in_flight(subset):
         assert r["in_flight_bytes_per_sm"] >= 2 * target.little_bytes_per_sm, r
 
 
-def tiles_dropped_for_documents(kernel: str, head_width: int, arch: str) -> set[str]:
-    """The config names flash attention leaves out of a packed-documents launch (they spill)."""
+def tiles_dropped_for_grouped_documents(kernel: str, head_width: int, arch: str) -> set[str]:
+    """The config names flash attention leaves out of a launch with grouped heads and packed
+    documents (they spill)."""
     kind = {name: kind for kind, name in FA.KERNEL_NAMES.items()}[kernel]
     capability = int(arch.removeprefix("sm_"))
     plain = set(FA.listed_configs(kind, head_width, capability))
-    dropped = plain - set(FA.listed_configs(kind, head_width, capability, documents=True))
+    dropped = plain - set(FA.listed_configs(kind, head_width, capability, grouped=True, documents=True))
     return {f"{bm}x{bn}-w{w}-s{s}" for bm, bn, w, s in dropped}
 
 
 def test_grouped_and_packed_attention_compile_for_both_targets(subset):
     """Grouped-query heads with packed documents: every listed tiling of the three attention
-    kernels at both head widths, on both targets: the plain ones but those that spill with the
-    documents' bounds in registers (flash_attention's table, read off this inspection)."""
+    kernels at both head widths, on both targets: the plain ones but those that spill with
+    grouped heads or the documents' bounds in registers (flash_attention's table, read off the
+    full inspection)."""
     _, rows = subset
     for arch in ("sm_80", "sm_90"):
         for kernel in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"):
@@ -177,7 +179,7 @@ def test_grouped_and_packed_attention_compile_for_both_targets(subset):
                 for r in rows
                 if (r["kernel"], r["arch"]) == (kernel, arch) and r["docs"]
             }
-            spill = {(d, c) for d in (64, 128) for c in tiles_dropped_for_documents(kernel, d, arch)}
+            spill = {(d, c) for d in (64, 128) for c in tiles_dropped_for_grouped_documents(kernel, d, arch)}
             assert packed == plain - spill and {d for d, _ in packed} == {64, 128}, (kernel, arch)
             assert all(r["group"] == 4 for r in rows if r["kernel"] == kernel and r["docs"])
 

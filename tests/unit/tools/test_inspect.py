@@ -6,6 +6,7 @@ compilation itself: tests/integration/tools/test_inspect_subset.py.
 from __future__ import annotations
 
 import importlib
+import itertools
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,36 @@ def test_issue_spills_are_not_timed_on_sm90(kind, d, config, loads):
     configs = FA._tuning_configs(kind, loads == "tma")
     kept = FA.prune_configs(kind, configs, _prune_args(kind, torch.bfloat16, d, d, loads), aot.SM90.limits)
     assert config not in _tiles(kept)
+
+
+@pytest.mark.parametrize("target", sorted(aot.TARGETS))
+def test_grouped_heads_leave_out_the_dkdv_tiles_that_spill_with_them(target):
+    """At head width 128 a grouped dK/dV program (GROUP query heads in a loop) spills in tiles the
+    plain one does not; the pruner drops them for grouped launches only and keeps a spill-free one
+    with 128 keys on sm_90."""
+    configs = FA._tuning_configs("dkdv", target >= FA.TMA_MIN_CAPABILITY)
+    limits = aot.TARGETS[target].limits
+    plain_args = _prune_args("dkdv", torch.bfloat16, 128, 128)
+    plain = _tiles(FA.prune_configs("dkdv", configs, plain_args, limits))
+    grouped = _tiles(FA.prune_configs("dkdv", configs, {**plain_args, "GROUP": 4}, limits))
+    dropped = FA._VARIANT_SPILLS["grouped"]["dkdv"][128][target]
+    assert set(plain) & dropped and not set(grouped) & dropped
+    assert grouped == [t for t in plain if t not in dropped]
+    if target >= 90:
+        assert (16, 128, 8, 3) in grouped
+
+
+@pytest.mark.parametrize("kind", ["fwd", "dkdv", "dq"])
+def test_every_variant_keeps_a_tile_of_its_own_list(kind):
+    """No table of spilling tiles empties a list (listed_configs would fall back to the spilling
+    ones), and every tile it names is one the list has: a stale entry would drop nothing."""
+    for width, generation in itertools.product((64, 128, 256), FA.GENERATIONS):
+        plain = FA.listed_configs(kind, width, generation)
+        tables = FA._VARIANT_SPILLS.values()
+        spills = [table.get(kind, {}).get(width, {}).get(generation, set()) for table in tables]
+        assert all(tiles <= set(plain) for tiles in spills), (kind, width, generation)
+        both = FA.listed_configs(kind, width, generation, grouped=True, documents=True)
+        assert both and not set(both) & set().union(*spills), (kind, width, generation)
 
 
 def _row(kernel, config, tiling, ok=True, d=64, listed=True):
